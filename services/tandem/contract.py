@@ -1,0 +1,53 @@
+"""What the services and the operator must agree on, in one torch-free module.
+
+The operator imports this module and nothing else from `tandem`, so its image stays small.
+Change a value here and both sides change together.
+"""
+
+# Ports and addresses.
+GRPC_PORT = 50051
+METRICS_PORT = 9400
+EXPERTS_SOCKET = "unix:/run/tandem/experts.sock"
+KV_SHM_PATH = "/dev/shm/tandem/kv"  # mount point of the CPU KV tier (emptyDir, medium Memory)
+
+# gRPC service names (package tandem.v1) as the health service and reflection report them.
+INFERENCE_SERVICE = "tandem.v1.Inference"
+EXPERTS_SERVICE = "tandem.v1.Experts"
+
+# Prometheus metric names (prometheus_client appends _bucket/_sum/_count, _total).
+TIME_TO_FIRST_TOKEN = "tandem_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "tandem_inter_token_latency_seconds"
+REQUESTS = "tandem_requests"  # counter, label outcome
+PROMPT_TOKENS = "tandem_prompt_tokens"
+GENERATED_TOKENS = "tandem_generated_tokens"
+PREFIX_CACHED_TOKENS = "tandem_prefix_cached_tokens"
+RUNNING_REQUESTS = "tandem_running_requests"
+WAITING_REQUESTS = "tandem_waiting_requests"
+KV_BLOCKS_USED = "tandem_kv_blocks_used"  # gauge, label tier
+KV_BLOCKS_TOTAL = "tandem_kv_blocks_total"  # gauge, label tier
+EXPERT_CALL_LATENCY = "tandem_expert_call_latency_seconds"
+
+# Histogram buckets for latencies: 1 ms to 10 s.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1,
+    0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)
+
+# `tandem serve` roles and flags, as the operator renders container commands.
+ROLES = ("all", "attention", "experts")
+SERVE_FLAGS = {
+    "model": "--model",
+    "listen": "--listen",
+    "metrics_port": "--metrics-port",
+    "role": "--role",
+    "experts": "--experts",
+    "kv_shm": "--kv-shm",
+    "device": "--device",
+    "dtype": "--dtype",
+    "threads": "--threads",
+    "block_size": "--block-size",
+    "gpu_memory_fraction": "--gpu-memory-fraction",
+    "cpu_kv_gib": "--cpu-kv-gib",
+    "expert_quant": "--expert-quant",
+}
+EXPERT_QUANTS = ("none", "int8", "int4")
