@@ -1,0 +1,320 @@
+"""KVBlockManager step by step: allocate, grow, free, prefix hits, LRU eviction, swapping, exhaustion."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.kv.block_manager import CPU, DEVICE, KVBlockManager
+
+BS = 4
+
+
+@dataclass
+class Seq:
+    """The three attributes the block manager reads from a sequence."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+
+
+def tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def state(bm: KVBlockManager) -> tuple:
+    """Everything observable, to compare before and after a refused call."""
+    return (bm.num_free_blocks(DEVICE), bm.num_free_blocks(CPU),
+            bm._pools[DEVICE].free_block_ids(), bm._pools[CPU].free_block_ids(),
+            {rid: [b.block_id for b in t] for rid, t in bm._tables.items()},
+            [b.ref_count for b in bm._pools[DEVICE].blocks], bm.prefix_cache_hit_tokens)
+
+
+def prefill(bm: KVBlockManager, seq: Seq) -> int:
+    """Admit a sequence as the scheduler does, compute its whole prompt, register its full blocks."""
+    blocks, cached = bm.get_computed_blocks(seq)
+    assert bm.allocate_slots(seq, len(seq.all_token_ids) - cached, blocks)
+    seq.num_computed_tokens = len(seq.all_token_ids)
+    bm.cache_full_blocks(seq)
+    return cached
+
+
+def test_allocate_and_grow_across_a_block_boundary():
+    bm = KVBlockManager(8, 0, BS)
+    seq = Seq("a", tokens(6))
+    assert bm.allocate_slots(seq, 6)
+    assert bm.block_table(seq) == [0, 1]
+    assert (bm.num_used_blocks(DEVICE), bm.num_free_blocks(DEVICE)) == (2, 6)
+    seq.num_computed_tokens = 6
+    seq.all_token_ids += [100, 101]
+    assert bm.allocate_slots(seq, 2)  # slots 6, 7 fit in block 1
+    assert bm.block_table(seq) == [0, 1]
+    seq.num_computed_tokens = 8
+    seq.all_token_ids.append(102)
+    assert bm.allocate_slots(seq, 1)  # slot 8 opens block 2
+    assert bm.block_table(seq) == [0, 1, 2]
+    assert bm.num_used_blocks(DEVICE) == 3
+
+
+def test_free_restores_counts_and_drops_the_table():
+    bm = KVBlockManager(8, 0, BS)
+    seq = Seq("a", tokens(9))
+    assert bm.allocate_slots(seq, 9)
+    bm.free(seq)
+    assert bm.block_table(seq) == []
+    assert bm.num_free_blocks(DEVICE) == bm.num_total_blocks(DEVICE) == 8
+    assert all(b.ref_count == 0 for b in bm._pools[DEVICE].blocks)
+    bm.free(seq)  # a second free is harmless
+    assert bm.num_free_blocks(DEVICE) == 8
+
+
+def test_prefix_hit_reuses_block_ids_and_counts_hit_tokens():
+    bm = KVBlockManager(16, 0, BS)
+    first = Seq("a", tokens(10))
+    assert prefill(bm, first) == 0
+    assert bm.prefix_cache_hit_tokens == 0
+    second = Seq("b", tokens(8) + [900, 901, 902])  # shares two full blocks
+    blocks, cached = bm.get_computed_blocks(second)
+    assert cached == 8
+    assert [b.block_id for b in blocks] == bm.block_table(first)[:2]
+    assert bm.allocate_slots(second, 3, blocks)
+    assert bm.block_table(second)[:2] == bm.block_table(first)[:2]
+    assert bm.block_table(second)[2] not in bm.block_table(first)
+    assert bm.prefix_cache_hit_tokens == 8
+    assert bm.prefix_cache_queries == 10 + 11
+    shared = bm._pools[DEVICE].blocks[bm.block_table(first)[0]]
+    assert shared.ref_count == 2
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    bm = KVBlockManager(16, 0, BS)
+    prefill(bm, Seq("a", tokens(8)))
+    again = Seq("b", tokens(8))
+    blocks, cached = bm.get_computed_blocks(again)
+    assert cached == 4 and len(blocks) == 1  # block 2 would leave nothing to compute
+    assert bm.allocate_slots(again, 4, blocks)
+    assert len(bm.block_table(again)) == 2
+
+
+def test_partial_blocks_are_never_cached():
+    bm = KVBlockManager(16, 0, BS)
+    prefill(bm, Seq("a", tokens(7)))
+    assert bm.get_computed_blocks(Seq("b", tokens(7) + [5]))[1] == 4
+
+
+def test_hashes_chain_so_an_equal_block_after_a_different_prefix_misses():
+    bm = KVBlockManager(16, 0, BS)
+    prefill(bm, Seq("a", [1, 1, 1, 1, 2, 2, 2, 2, 0]))
+    assert bm.get_computed_blocks(Seq("b", [3, 3, 3, 3, 2, 2, 2, 2, 0]))[1] == 0
+
+
+def test_freed_blocks_stay_cached_until_reused_in_lru_order():
+    bm = KVBlockManager(4, 0, BS)
+    old, new = Seq("old", tokens(5)), Seq("new", tokens(5, start=50))
+    prefill(bm, old)  # blocks 0 (full, cached), 1 (partial)
+    prefill(bm, new)  # blocks 2 (full, cached), 3 (partial)
+    bm.free(old)
+    bm.free(new)
+    # unhashed partial blocks first, then cached blocks from least recently freed
+    assert bm._pools[DEVICE].free_block_ids() == [3, 1, 0, 2]
+    assert bm.get_computed_blocks(Seq("x", tokens(5)))[1] == 4  # still cached after free
+    taker = Seq("taker", tokens(9, start=500))
+    assert bm.allocate_slots(taker, 9)  # takes 3, 1, 0: evicts old's block 0 only
+    assert bm.block_table(taker) == [3, 1, 0]
+    assert bm.get_computed_blocks(Seq("x", tokens(5)))[1] == 0
+    assert bm.get_computed_blocks(Seq("y", tokens(5, start=50)))[1] == 4
+
+
+def test_a_prefix_hit_on_an_idle_block_takes_it_out_of_the_free_queue():
+    bm = KVBlockManager(3, 0, BS)
+    prefill(bm, Seq("a", tokens(5)))
+    bm.free(Seq("a", []))
+    assert bm.num_free_blocks(DEVICE) == 3
+    seq = Seq("b", tokens(5))
+    blocks, cached = bm.get_computed_blocks(seq)
+    assert bm.allocate_slots(seq, 1, blocks)
+    assert bm.block_table(seq)[0] == blocks[0].block_id
+    assert blocks[0].block_id not in bm._pools[DEVICE].free_block_ids()
+    assert bm.num_free_blocks(DEVICE) == 1
+
+
+def test_shared_prefix_refcounts_drop_one_per_free():
+    bm = KVBlockManager(16, 0, BS)
+    seqs = [Seq(f"s{i}", tokens(8) + [100 + i]) for i in range(3)]
+    for seq in seqs:
+        prefill(bm, seq)
+    pool = bm._pools[DEVICE]
+    shared = [pool.blocks[i] for i in bm.block_table(seqs[0])[:2]]
+    assert [b.ref_count for b in shared] == [3, 3]
+    bm.free(seqs[0])
+    assert [b.ref_count for b in shared] == [2, 2]
+    bm.free(seqs[1])
+    bm.free(seqs[2])
+    assert [b.ref_count for b in shared] == [0, 0]
+    assert bm.num_free_blocks(DEVICE) == 16
+
+
+def test_exhaustion_returns_false_and_changes_nothing():
+    bm = KVBlockManager(4, 2, BS)
+    holder = Seq("h", tokens(8))
+    prefill(bm, holder)
+    cached_seq = Seq("c", tokens(8) + tokens(9, start=100))
+    blocks, _ = bm.get_computed_blocks(cached_seq)
+    before = state(bm)
+    assert not bm.allocate_slots(cached_seq, 9, blocks)  # needs 3 new blocks, 2 are free
+    assert state(bm) == before
+    assert bm.block_table(cached_seq) == []
+
+
+def test_idle_cached_blocks_count_as_free():
+    bm = KVBlockManager(4, 0, BS)
+    prefill(bm, Seq("a", tokens(16)))
+    bm.free(Seq("a", []))
+    seq = Seq("b", tokens(16, start=100))
+    assert bm.allocate_slots(seq, 16)  # evicts all four cached blocks
+    assert bm.num_free_blocks(DEVICE) == 0
+
+
+def test_swap_out_and_in_maps_ids_and_restores_counts():
+    bm = KVBlockManager(6, 4, BS)
+    seq = Seq("a", tokens(10))
+    prefill(bm, seq)
+    device_table = bm.block_table(seq)
+    assert bm.can_swap_out(seq)
+    out = bm.swap_out(seq)
+    assert [d for d, _ in out] == device_table
+    assert bm.tier_of(seq) == CPU
+    assert bm.block_table(seq) == [c for _, c in out]
+    assert (bm.num_used_blocks(DEVICE), bm.num_used_blocks(CPU)) == (0, 3)
+    assert not bm.can_swap_out(seq)
+    with pytest.raises(RuntimeError, match="swapped out"):
+        bm.allocate_slots(seq, 1)
+    assert bm.can_swap_in(seq)
+    back = bm.swap_in(seq)
+    assert [c for c, _ in back] == [c for _, c in out]
+    assert bm.block_table(seq) == [d for _, d in back]
+    assert (bm.num_used_blocks(DEVICE), bm.num_used_blocks(CPU)) == (3, 0)
+    bm.free(seq)
+    assert (bm.num_free_blocks(DEVICE), bm.num_free_blocks(CPU)) == (6, 4)
+
+
+def test_swapping_is_refused_without_room():
+    bm = KVBlockManager(4, 1, BS)
+    seq = Seq("a", tokens(8))
+    prefill(bm, seq)
+    before = state(bm)
+    assert not bm.can_swap_out(seq)
+    assert bm.swap_out(seq) is None
+    assert state(bm) == before
+    small = KVBlockManager(2, 4, BS)
+    seq = Seq("b", tokens(8))
+    prefill(small, seq)
+    small.swap_out(seq)
+    other = Seq("c", tokens(1))
+    assert small.allocate_slots(other, 1)
+    assert not small.can_swap_in(seq)
+    assert small.swap_in(seq) is None
+    assert small.tier_of(seq) == CPU
+
+
+def test_can_swap_in_counts_room_to_grow():
+    bm = KVBlockManager(3, 4, BS)
+    seq = Seq("a", tokens(8))
+    prefill(bm, seq)
+    bm.swap_out(seq)
+    assert bm.can_swap_in(seq, num_new_tokens=4)  # 12 slots: 3 blocks
+    assert not bm.can_swap_in(seq, num_new_tokens=5)
+
+
+def test_shared_blocks_survive_the_swap_of_one_owner():
+    bm = KVBlockManager(8, 8, BS)
+    a, b = Seq("a", tokens(9)), Seq("b", tokens(9))
+    prefill(bm, a)
+    prefill(bm, b)
+    shared = bm.block_table(a)[:2]
+    bm.swap_out(a)
+    assert bm.block_table(b)[:2] == shared
+    assert [bm._pools[DEVICE].blocks[i].ref_count for i in shared] == [1, 1]
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="block_size"):
+        KVBlockManager(4, 0, 0)
+    with pytest.raises(ValueError, match="num_device_blocks"):
+        KVBlockManager(0, 0, 4)
+    with pytest.raises(ValueError, match="tier"):
+        KVBlockManager(4, 0, 4).num_free_blocks("gpu")
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    bm = KVBlockManager(8, 0, BS, enable_prefix_caching=False)
+    prefill(bm, Seq("a", tokens(9)))
+    assert bm.get_computed_blocks(Seq("b", tokens(9))) == ([], 0)
+    assert bm.prefix_cache_queries == 0
+
+
+def test_block_manager_imports_no_torch():
+    import subprocess
+
+    code = "import sys, tandem.kv.block_manager; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# randomized invariants
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "swap_out", "swap_in"]),
+                         st.integers(0, 5), st.integers(1, 9)), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_invariants_hold_under_random_operations(operations):
+    bm = KVBlockManager(10, 6, BS)
+    seqs: dict[str, Seq] = {}
+    for op, k, n in operations:
+        rid = f"s{k}"
+        seq = seqs.get(rid)
+        if op == "add" and seq is None:
+            seq = Seq(rid, [k % 2] * n)  # two prompt families, so prefixes are shared
+            blocks, cached = bm.get_computed_blocks(seq)
+            if bm.allocate_slots(seq, n - cached, blocks):
+                seq.num_computed_tokens = n
+                bm.cache_full_blocks(seq)
+                seqs[rid] = seq
+        elif op == "grow" and seq is not None and bm.tier_of(seq) == DEVICE:
+            before = state(bm)
+            if bm.allocate_slots(seq, n):
+                seq.all_token_ids += [k] * n
+                seq.num_computed_tokens += n
+                bm.cache_full_blocks(seq)
+            else:
+                assert state(bm) == before
+        elif op == "free" and seq is not None:
+            bm.free(seqs.pop(rid))
+        elif op == "swap_out" and seq is not None:
+            bm.swap_out(seq)
+        elif op == "swap_in" and seq is not None:
+            bm.swap_in(seq)
+        check_invariants(bm, seqs)
+    for seq in seqs.values():
+        bm.free(seq)
+    assert bm.num_free_blocks(DEVICE) == 10 and bm.num_free_blocks(CPU) == 6
+
+
+def check_invariants(bm: KVBlockManager, seqs: dict[str, Seq]) -> None:
+    for tier in (DEVICE, CPU):
+        pool = bm._pools[tier]
+        tables = [bm._tables[s.request_id] for s in seqs.values() if bm.tier_of(s) == tier]
+        assert sum(b.ref_count for b in pool.blocks) == sum(len(t) for t in tables)
+        assert bm.num_free_blocks(tier) + bm.num_used_blocks(tier) == bm.num_total_blocks(tier)
+        assert sorted(pool.free_block_ids()) == [b.block_id for b in pool.blocks if b.ref_count == 0]
+    for seq in seqs.values():
+        assert len(bm.block_table(seq)) * BS >= seq.num_computed_tokens
+        assert len(set(bm.block_table(seq))) == len(bm.block_table(seq))
+    for block_hash, block in bm._pools[DEVICE]._cached.items():
+        assert block.block_hash == block_hash
