@@ -1,0 +1,56 @@
+{{/*
+RBAC rules, written out resource by resource: no wildcards, only the verbs the operator uses.
+Kept in one place so the cluster-wide and the per-namespace modes grant the same things.
+*/}}
+
+{{/*
+What kopf itself reads cluster-wide, in either mode: it lists and watches CRDs to notice
+resources appearing and disappearing.
+*/}}
+{{- define "tandem.rbac.frameworkClusterRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end }}
+
+{{/*
+Only when watching named namespaces: kopf lists and watches namespaces to notice them being
+created or deleted (cluster-wide it watches objects across all namespaces instead).
+*/}}
+{{- define "tandem.rbac.namespaceObserverRules" -}}
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+
+{{/*
+What the operator does to HybridModels and their children, in the namespaces it watches.
+*/}}
+{{- define "tandem.rbac.operatorRules" -}}
+# HybridModels: watched; patched for kopf's finalizer and progress annotations.
+- apiGroups: ["tandem.dev"]
+  resources: ["hybridmodels"]
+  verbs: ["get", "list", "watch", "patch"]
+# Replicas, conditions and observed latency are reported in the status subresource.
+- apiGroups: ["tandem.dev"]
+  resources: ["hybridmodels/status"]
+  verbs: ["get", "patch"]
+# Children: created, and patched back when they drift. Owner references delete them.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# Model-server pods are read to find their addresses and scrape decode latency.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# Progress and errors are reported as Events on the HybridModel.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
