@@ -51,3 +51,7 @@ SERVE_FLAGS = {
     "expert_quant": "--expert-quant",
 }
 EXPERT_QUANTS = ("none", "int8", "int4")
+
+# The experts role shares its pod's network namespace with the attention role, so its own
+# metrics endpoint needs a port of its own.
+EXPERTS_METRICS_PORT = 9401
