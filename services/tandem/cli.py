@@ -1,0 +1,162 @@
+"""`tandem` command line: make-demo-model, generate, serve, bench.
+
+Bad input exits with code 2 and one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+class UsageError(Exception):
+    """Input the user can fix: reported as one line, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except UsageError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, as for every other input error
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tandem", description="Hybrid GPU + CPU serving of MoE language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("make-demo-model", help="write a small random-weight checkpoint in Hugging Face format")
+    demo.add_argument("out_dir")
+    demo.add_argument("--arch", default="mixtral", choices=["mixtral", "qwen2_moe", "qwen3_moe", "llama",
+                                                            "deepseek_v3"])
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=cmd_make_demo_model)
+
+    gen = sub.add_parser("generate", help="generate from a prompt, locally or against a server")
+    where = gen.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", help="checkpoint directory (runs the engine in this process)")
+    where.add_argument("--server", help="address of a running `tandem serve` (host:port or unix:/path)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_engine_args(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.set_defaults(func=cmd_generate)
+
+    try:
+        from tandem.rpc.cli_serve import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub)
+    try:
+        from tandem.bench import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's")
+    p.add_argument("--threads", type=int, help="CPU threads for the experts (default: all cores)")
+    p.add_argument("--expert-quant", choices=["none", "int8", "int4"], default="none")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int)
+
+
+def cmd_make_demo_model(args) -> int:
+    from tandem.demo import make_demo_model
+
+    path = make_demo_model(args.out_dir, arch=args.arch, seed=args.seed)
+    print(f"wrote a random-weight {args.arch} checkpoint to {path}", file=sys.stderr)
+    return 0
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty")
+    return ids
+
+
+def sampling_from_args(args):
+    from tandem.engine.sampling_params import InvalidRequest, SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    except InvalidRequest as e:
+        raise UsageError(str(e)) from None
+
+
+def build_engine(args):
+    """An engine from the common flags; bad model directories and values become UsageError."""
+    from tandem.engine.llm_engine import EngineConfig, LLMEngine
+    from tandem.model.config import ModelError
+
+    try:
+        config = EngineConfig(block_size=args.block_size, max_model_len=args.max_model_len)
+        return LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config,
+                                         expert_threads=args.threads, expert_quant=args.expert_quant)
+    except (ModelError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def cmd_generate(args) -> int:
+    params = sampling_from_args(args)
+    if args.prompt is not None and not args.prompt:
+        raise UsageError("--prompt is empty")
+    if args.server:
+        from tandem.rpc.cli_client import run_remote_generate
+
+        return run_remote_generate(args)
+    from tandem.engine.sampling_params import InvalidRequest
+
+    engine = build_engine(args)
+    try:
+        prompt = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else engine.encode(args.prompt)
+        [result] = engine.generate([prompt], params)
+    except InvalidRequest as e:
+        raise UsageError(str(e)) from None
+    print_result(args, result.token_ids, result.text if engine.tokenizer else None, result.finish_reason,
+                 result.num_prompt_tokens, result.num_cached_tokens)
+    return 0
+
+
+def print_result(args, token_ids, text, finish_reason, prompt_tokens, cached_tokens) -> None:
+    if args.json:
+        obj = {"token_ids": token_ids, "finish_reason": finish_reason,
+               "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
+                         "cached_tokens": cached_tokens}}
+        if text is not None:
+            obj["text"] = text
+        print(json.dumps(obj))
+    else:
+        print(text if text is not None else " ".join(map(str, token_ids)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""The engine: requests in, tokens out. One step is schedule -> run -> postprocess.
+
+Synchronous and single-threaded: `tandem.rpc` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.sampling_params import InvalidRequest, RequestOutput, SamplingParams
+from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.sequence import Sequence
+from tandem.experts.base import ExpertExecutor
+from tandem.kv.block_manager import KVBlockManager
+from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
+from tandem.model.loader import load_model
+
+GiB = 1 << 30
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its limit; the client should retry later."""
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_device_blocks: int | None = None  # None: size from device_kv_gib / gpu_memory_fraction
+    num_cpu_blocks: int | None = None  # None: size from cpu_kv_gib
+    device_kv_gib: float = 1.0  # KV budget when the compute device is the CPU
+    gpu_memory_fraction: float = 0.9  # share of free GPU memory (after weights) for the device tier
+    cpu_kv_gib: float = 1.0
+    kv_shm_path: str | None = None  # back the CPU tier with this shared-memory file
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's, capped at DEFAULT_MAX_MODEL_LEN
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+
+    DEFAULT_MAX_MODEL_LEN = 8192
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.cpu_kv_gib < 0 or self.device_kv_gib <= 0:
+            raise ValueError("KV cache sizes must be positive")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_blocks_used: dict[str, int] = field(default_factory=dict)
+    kv_blocks_total: dict[str, int] = field(default_factory=dict)
+    prefix_cache_hit_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    """A finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, device: torch.device, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.model_config = cfg = model.cfg
+        self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or config.DEFAULT_MAX_MODEL_LEN)
+        dtype = next(model.parameters()).dtype
+        layout = KVLayout(tuple(model.kv_entries()), cfg.num_layers, dtype)
+        num_device, num_cpu = self._num_blocks(layout)
+        self.cache = KVCache(layout, config.block_size, num_device, num_cpu, device, config.kv_shm_path)
+        self.block_manager = KVBlockManager(num_device, num_cpu, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=self.max_model_len, max_waiting=config.max_waiting),
+            self.block_manager, set(cfg.eos_token_ids),
+        )
+        self.runner = ModelRunner(model, self.cache, device)
+        self.requests: dict[str, _Request] = {}
+        self._pending = None  # a scheduled step whose forward pass has not completed
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, *, device=None, dtype=None, config: EngineConfig | None = None,
+                        expert_executor: ExpertExecutor | None = None, expert_threads: int | None = None,
+                        expert_quant: str = "none") -> "LLMEngine":
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but no CUDA device is available")
+        model, _ = load_model(model_dir, device=device, dtype=dtype, executor=expert_executor,
+                              expert_threads=expert_threads, expert_quant=expert_quant)
+        return cls(model, load_tokenizer(model_dir), device, config)
+
+    def _num_blocks(self, layout: KVLayout) -> tuple[int, int]:
+        c = self.config
+        per_block = layout.bytes_per_block(c.block_size)
+        # More blocks than every sequence at full length could use is memory for nothing.
+        useful = math.ceil(self.max_model_len / c.block_size) * c.max_num_seqs
+        if c.num_device_blocks is not None:
+            device = c.num_device_blocks
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            device = min(useful, int(free * c.gpu_memory_fraction) // per_block)
+        else:
+            device = min(useful, int(c.device_kv_gib * GiB) // per_block)
+        cpu = c.num_cpu_blocks if c.num_cpu_blocks is not None else min(useful, int(c.cpu_kv_gib * GiB) // per_block)
+        if device < 1:
+            raise ValueError("no room for a single KV block on the device: lower the model size or raise the budget")
+        return device, cpu
+
+    # requests
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("prompt", "this model has no tokenizer.json: send prompt token ids instead")
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._validate(request_id, prompt_token_ids, params)
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop) if self.tokenizer else None
+        self.requests[request_id] = _Request(seq, generator, detok)
+        self.scheduler.add(seq)
+
+    def _validate(self, request_id, prompt, params: SamplingParams) -> None:
+        if not request_id:
+            raise InvalidRequest("request_id", "must not be empty")
+        if request_id in self.requests:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+        if len(prompt) == 0:
+            raise InvalidRequest("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                "max_tokens", f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context length {self.max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest("stop", "stop strings need a tokenizer; this model has none")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request; its KV blocks are freed at once."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if self._pending is not None:
+            self._pending.scheduled = [s for s in self._pending.scheduled if s.seq.request_id != request_id]
+        self.scheduler.abort(request_id)
+        req.seq.finish_reason = "cancelled"
+        return self._output(req, finished=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # the step
+
+    def step(self) -> list[RequestOutput]:
+        if self._pending is None:
+            out = self.scheduler.schedule()
+            self.runner.swap(out.swap_out, out.swap_in)
+            self._pending = out
+        out = self._pending
+        generators = {s.seq.request_id: self.requests[s.seq.request_id].generator for s in out.scheduled}
+        # May raise ExpertsUnavailable: the step stays pending and the next call retries it.
+        sampled = self.runner.execute(out.scheduled, generators)
+        self._pending = None
+        changed = self.scheduler.update(out, sampled)
+        return [self._postprocess(seq) for seq in changed if seq.request_id in self.requests]
+
+    def _postprocess(self, seq: Sequence) -> RequestOutput:
+        req = self.requests[seq.request_id]
+        if req.detok is not None and not seq.is_finished:
+            new = seq.output_token_ids[req.reported:]
+            delta, hit = req.detok.add(new)
+            req.pending_text += delta
+            if hit:
+                self.scheduler.finish(seq.request_id, "stop")
+        return self._output(req, finished=seq.is_finished)
+
+    def _output(self, req: "_Request", finished: bool) -> RequestOutput:
+        seq = req.seq
+        new = seq.output_token_ids[req.reported:]
+        text, req.pending_text = req.pending_text, ""
+        if req.detok is not None:
+            if len(req.detok.ids) < seq.num_output_tokens:
+                delta, _ = req.detok.add(seq.output_token_ids[len(req.detok.ids):])
+                text += delta
+            if finished and seq.finish_reason != "stop":
+                text += req.detok.flush()
+        req.reported = seq.num_output_tokens
+        if finished:
+            del self.requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=list(new), finished=finished,
+            finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens, text=text,
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_swapped=self.scheduler.num_swapped,
+            kv_blocks_used={t: bm.num_used_blocks(t) for t in (DEVICE, CPU)},
+            kv_blocks_total={t: bm.num_total_blocks(t) for t in (DEVICE, CPU)},
+            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens,
+        )
+
+    # convenience
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run prompts together to completion (continuous batching) and return them in order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p)
+        done: dict[str, Completion] = {}
+        acc = {rid: ([], []) for rid in ids}
+        while len(done) < len(ids):
+            for out in self.step():
+                tokens, texts = acc[out.request_id]
+                tokens.extend(out.new_token_ids)
+                texts.append(out.text)
+                if out.finished:
+                    done[out.request_id] = Completion(out.request_id, tokens, "".join(texts), out.finish_reason,
+                                                      out.num_prompt_tokens, out.num_cached_tokens)
+        return [done[rid] for rid in ids]
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer | None
+    reported: int = 0  # output tokens already returned
+    pending_text: str = ""
+
+
+def load_tokenizer(model_dir: str | Path):
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))

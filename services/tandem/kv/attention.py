@@ -1,0 +1,87 @@
+"""Paged attention with torch ops: KV written by slot, read through block tables.
+
+One code path serves prefill chunks and decode alike: queries of every sequence are padded to the
+longest chunk, keys gathered from each sequence's blocks, and a mask gives each query the keys at
+or before its own position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors shared by every layer. B sequences, T tokens in all."""
+
+    slot_mapping: torch.Tensor  # [T] block_id * block_size + offset, where each token's KV goes
+    block_tables: torch.Tensor  # [B, max_blocks] padded with 0
+    query_index: torch.Tensor  # [B, Qmax] index into the T tokens (padding points at token 0)
+    query_valid: torch.Tensor  # [B, Qmax] bool
+    mask: torch.Tensor  # [B, 1, Qmax, Lmax] bool, True where a query may attend a key
+    seq_lens: torch.Tensor  # [B] context length after this step
+
+    @classmethod
+    def build(cls, starts: list[int], lens: list[int], block_tables: list[list[int]], block_size: int,
+              device: torch.device, sliding_window: int | None = None) -> "AttentionMetadata":
+        """starts[i]: position of sequence i's first new token; lens[i]: its number of new tokens."""
+        num_seqs = len(starts)
+        q_max = max(lens)
+        max_blocks = max(len(t) for t in block_tables)
+        l_max = max_blocks * block_size
+        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
+        query_index = torch.zeros(num_seqs, q_max, dtype=torch.long)
+        query_pos = torch.zeros(num_seqs, q_max, dtype=torch.long)
+        query_valid = torch.zeros(num_seqs, q_max, dtype=torch.bool)
+        slots, offset = [], 0
+        for i, (start, n, table) in enumerate(zip(starts, lens, block_tables)):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+            query_index[i, :n] = torch.arange(offset, offset + n)
+            query_pos[i, :n] = torch.arange(start, start + n)
+            query_valid[i, :n] = True
+            pos = torch.arange(start, start + n)
+            slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
+            offset += n
+        key_pos = torch.arange(l_max)
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Qmax, Lmax]
+        if sliding_window is not None:
+            mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+        mask[:, :, 0] |= ~query_valid  # padded queries see key 0 so their softmax stays finite
+        seq_lens = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.long)
+        return cls(
+            slot_mapping=torch.cat(slots).to(device),
+            block_tables=tables.to(device),
+            query_index=query_index.to(device),
+            query_valid=query_valid.to(device),
+            mask=mask[:, None].to(device),
+            seq_lens=seq_lens.to(device),
+        )
+
+
+def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """cache [blocks, block_size, *entry]; values [T, *entry] go to their slots."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """cache [blocks, block_size, *entry], block_tables [B, nb] -> [B, nb * block_size, *entry]."""
+    gathered = cache[block_tables]  # [B, nb, block_size, *entry]
+    return gathered.flatten(1, 2)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q [T, H, D]; caches [blocks, block_size, Hkv, D] -> [T, H, Dv]."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    qp = q[meta.query_index].transpose(1, 2)  # [B, H, Qmax, D]
+    k = gather_kv(k_cache, meta.block_tables).transpose(1, 2)  # [B, Hkv, L, D]
+    v = gather_kv(v_cache, meta.block_tables).transpose(1, 2)  # [B, Hkv, L, Dv]
+    if num_kv_heads != num_heads:
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, H, L, D]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, H, L, Dv]
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask, scale=scale)  # [B, H, Qmax, Dv]
+    out = out.transpose(1, 2)[meta.query_valid]  # [T, H, Dv] in sequence order
+    return out

@@ -1,0 +1,1 @@
+"""Model definitions, configuration and checkpoint loading."""

@@ -1,0 +1,44 @@
+"""Grouped-query attention over the paged KV cache (Llama, Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.kv.attention import AttentionMetadata, paged_attention, write_kv
+from tandem.model.config import ModelConfig
+from tandem.model.layers import RMSNorm, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.scale = cfg.head_dim**-0.5
+
+    @staticmethod
+    def kv_entries(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        return (("k", (cfg.num_kv_heads, cfg.head_dim)), ("v", (cfg.num_kv_heads, cfg.head_dim)))
+
+    def forward(self, x: torch.Tensor, cos_sin, kv: dict[str, torch.Tensor], meta: AttentionMetadata):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(kv["k"], meta.slot_mapping, k)
+        write_kv(kv["v"], meta.slot_mapping, v)
+        out = paged_attention(q, kv["k"], kv["v"], meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(t, -1))  # [T, hidden]

@@ -1,0 +1,184 @@
+"""Load a Hugging Face checkpoint directory unchanged: safetensors (single or sharded) and config.
+
+Routed-expert tensors are stacked per layer into `ExpertWeights` for the expert executor; every
+other tensor goes into the model on the compute device.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from tandem.experts.base import ExpertExecutor, ExpertWeights
+from tandem.model.config import ModelConfig, ModelError, load_config
+from tandem.model.layers import RotaryEmbedding
+from tandem.model.model import CausalLM
+
+PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for checkpoints larger than this
+
+# Per-expert tensors as checkpoints name them: (layer, expert, projection).
+_EXPERT_KEY = re.compile(
+    r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+# Stacked tensors as transformers >= 5 may save them: (layer, name).
+_STACKED_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+def resolve_dtype(cfg: ModelConfig, dtype: str | torch.dtype | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or str(getattr(cfg.hf_config, "dtype", None) or "float32").replace("torch.", "")
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.bfloat16}
+    if name not in table:
+        raise ModelError(f"unsupported dtype {name!r}; supported: float32, bfloat16")
+    return table[name]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
+
+
+def iter_tensors(model_dir: Path, desc: str):
+    """Yield (name, tensor) over every shard, with a progress bar for large checkpoints."""
+    files = checkpoint_files(model_dir)
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
+              disable=total < PROGRESS_MIN_BYTES) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    bar.update(tensor.numel() * tensor.element_size())
+                    yield name, tensor
+
+
+def is_expert_tensor(name: str) -> bool:
+    return bool(_EXPERT_KEY.match(name) or _STACKED_KEY.match(name))
+
+
+class ExpertCollector:
+    """Gathers per-expert tensors and stacks them per layer as [E, 2I, H] and [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        self.cfg, self.dtype = cfg, dtype
+        self.parts: dict[int, dict] = defaultdict(dict)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if m := _EXPERT_KEY.match(name):
+            layer, expert, proj = int(m[1]), int(m[2]), _PROJ[m[3]]
+            self.parts[layer][(proj, expert)] = tensor.to(self.dtype)
+        elif m := _STACKED_KEY.match(name):
+            self.parts[int(m[1])][m[2]] = tensor.to(self.dtype)
+
+    def build(self) -> dict[int, ExpertWeights]:
+        layers = {}
+        for layer in self.cfg.moe_layers:
+            parts = self.parts.get(layer)
+            if not parts:
+                raise ModelError(f"checkpoint has no routed-expert weights for MoE layer {layer}")
+            if "gate_up_proj" in parts:
+                layers[layer] = ExpertWeights(parts["gate_up_proj"].contiguous(), parts["down_proj"].contiguous())
+                continue
+            experts = range(self.cfg.num_experts)
+            try:
+                gate = torch.stack([parts[("gate", e)] for e in experts])  # [E, I, H]
+                up = torch.stack([parts[("up", e)] for e in experts])  # [E, I, H]
+                down = torch.stack([parts[("down", e)] for e in experts])  # [E, H, I]
+            except KeyError as e:
+                raise ModelError(f"layer {layer}: missing expert tensor {e.args[0]}") from None
+            layers[layer] = ExpertWeights(torch.cat([gate, up], dim=1).contiguous(), down.contiguous())
+            parts.clear()  # free the unstacked copies as we go
+        return layers
+
+
+def _model_key(name: str) -> str:
+    # Mixtral calls its MoE block `block_sparse_moe`; our module is `mlp` for every architecture.
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype=None,
+               executor: ExpertExecutor | None = None, expert_threads: int | None = None,
+               expert_quant: str = "none") -> tuple[CausalLM, ExpertExecutor | None]:
+    """Build the model on `device`. Without an executor, the routed experts load into an in-process one."""
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    dtype = resolve_dtype(cfg, dtype)
+    device = torch.device(device)
+    collector = ExpertCollector(cfg, dtype) if executor is None and cfg.is_moe else None
+    with torch.device("meta"):
+        model = CausalLM(cfg, executor)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim).to(device)
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, tensor in iter_tensors(model_dir, "loading weights"):
+        if is_expert_tensor(name):
+            if collector is not None:
+                collector.add(name, tensor)
+            continue
+        key = _model_key(name)
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if key not in params:
+            continue  # e.g. rotary buffers some checkpoints carry
+        param = params[key]
+        if param.shape != tensor.shape:
+            raise ModelError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(dtype))
+        loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    if collector is not None:
+        executor = _make_executor(collector.build(), expert_threads, expert_quant)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "executor"):
+                layer.mlp.executor = executor
+    model.eval()
+    return model, executor
+
+
+def load_expert_weights(model_dir: str | Path, dtype=None) -> dict[int, ExpertWeights]:
+    """Only the routed-expert weights: what the experts process of the split deployment holds."""
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    if not cfg.is_moe:
+        raise ModelError(f"{cfg.architecture} has no routed experts to serve")
+    collector = ExpertCollector(cfg, resolve_dtype(cfg, dtype))
+    for name, tensor in iter_tensors(model_dir, "loading experts"):
+        if is_expert_tensor(name):
+            collector.add(name, tensor)
+    return collector.build()
+
+
+def build_expert_executor(model_dir: str | Path, *, dtype=None, threads: int | None = None,
+                          quant: str = "none") -> ExpertExecutor:
+    return _make_executor(load_expert_weights(model_dir, dtype), threads, quant)
+
+
+def _make_executor(layers: dict[int, ExpertWeights], threads: int | None, quant: str) -> ExpertExecutor:
+    try:
+        from tandem.experts.factory import make_expert_executor
+    except ImportError:
+        from tandem.experts.torch_executor import TorchExpertExecutor
+
+        if quant != "none":
+            raise ModelError(f"expert quantization {quant!r} is not available in this build") from None
+        return TorchExpertExecutor(layers, threads)
+    return make_expert_executor(layers, threads=threads, quant=quant)

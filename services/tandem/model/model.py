@@ -1,0 +1,65 @@
+"""The causal LM: embeddings, decoder layers, final norm and LM head, over flat token batches."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.experts.base import ExpertExecutor
+from tandem.kv.attention import AttentionMetadata
+from tandem.kv.cache import KVCache
+from tandem.model.attention import Attention
+from tandem.model.config import ModelConfig
+from tandem.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
+from tandem.model.moe import SparseMoe
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, executor: ExpertExecutor | None):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        if cfg.is_moe_layer(layer):
+            self.mlp = SparseMoe(cfg, layer, executor)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos_sin, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, meta)  # [T, H]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [T, H]
+
+
+class CausalLM(nn.Module):
+    """Parameter names follow the Hugging Face checkpoint (`model.layers.N...`, `lm_head`)."""
+
+    def __init__(self, cfg: ModelConfig, executor: ExpertExecutor | None):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i, executor) for i in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def kv_entries(self):
+        return Attention.kv_entries(self.cfg)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]."""
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, cache.layer(i), meta)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] -> logits [B, V] in float32."""
+        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()

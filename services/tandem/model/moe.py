@@ -1,0 +1,50 @@
+"""The sparse MoE block: router on the attention side, routed experts through the executor."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.experts.base import ExpertExecutor
+from tandem.model.config import ModelConfig
+from tandem.model.layers import DenseMLP
+
+
+def route_softmax(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts, top-k, optional renormalisation. logits [T, E] -> weights [T, k] f32, ids [T, k]."""
+    probs = F.softmax(logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, executor: ExpertExecutor):
+        super().__init__()
+        self.layer, self.executor = layer, executor
+        self.top_k, self.normalize = cfg.top_k, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        # Qwen2-MoE rounds routing weights to the activation dtype; Mixtral keeps float32.
+        self.round_weights = cfg.model_type == "qwen2_moe" or cfg.model_type == "qwen3_moe"
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_softmax(self.gate(x), self.top_k, self.normalize)  # [T, k]
+        if self.round_weights:
+            weights = weights.to(x.dtype).float()
+        out = self._routed(x, ids, weights)  # [T, H]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # The experts live in the CPU socket's memory: hidden states cross to it and back.
+        if x.device.type == "cpu":
+            return self.executor.forward(self.layer, x, ids, weights)
+        out = self.executor.forward(self.layer, x.cpu(), ids.cpu(), weights.cpu())
+        return out.to(x.device, non_blocking=True)
