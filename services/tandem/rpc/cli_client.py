@@ -1,0 +1,65 @@
+"""`tandem generate --server ADDR`: the local command's flags and JSON output, over gRPC."""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+
+from tandem.rpc.addresses import check_address
+from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
+
+
+def build_request(args) -> inference_pb2.GenerateRequest:
+    """A GenerateRequest from `tandem generate`'s flags."""
+    from tandem.cli import parse_prompt_ids
+
+    sampling = inference_pb2.SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        stop=list(args.stop))
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = inference_pb2.GenerateRequest(sampling=sampling)
+    if args.prompt_ids:
+        request.prompt_token_ids.extend(parse_prompt_ids(args.prompt_ids))
+    else:
+        request.prompt = args.prompt
+    return request
+
+
+def collect(stub, request, timeout_s: float | None = None) -> dict:
+    """Runs one Generate stream to its end: token_ids, text, finish_reason and usage."""
+    token_ids, texts, last = [], [], None
+    for response in stub.Generate(request, timeout=timeout_s):
+        token_ids.extend(response.token_ids)
+        texts.append(response.text)
+        last = response
+    if last is None or not last.finish_reason:
+        raise RuntimeError("the server closed the stream without a final message")
+    return {"token_ids": token_ids, "text": "".join(texts), "finish_reason": last.finish_reason,
+            "prompt_tokens": last.usage.prompt_tokens, "cached_tokens": last.usage.cached_tokens}
+
+
+def run_remote_generate(args) -> int:
+    """`tandem generate --server ADDR ...`: prints what the local form prints. Returns the exit status."""
+    from tandem.cli import UsageError, print_result
+
+    try:
+        address = check_address(args.server, "--server")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    request = build_request(args)
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        try:
+            info = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=30, wait_for_ready=True)
+            result = collect(stub, request)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise UsageError(exc.details()) from None
+            print(f"tandem: error: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    text = result["text"] if info.has_tokenizer else None
+    print_result(args, result["token_ids"], text, result["finish_reason"], result["prompt_tokens"],
+                 result["cached_tokens"])
+    return 0

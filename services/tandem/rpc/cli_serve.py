@@ -1,0 +1,80 @@
+"""`tandem serve`: the flags (named as `tandem.contract.SERVE_FLAGS`, which the operator renders)
+and the entry point that runs `tandem.rpc.server.serve`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from tandem import contract
+
+F = contract.SERVE_FLAGS
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the `serve` subcommand to a `tandem` argparse subparsers object."""
+    p = subparsers.add_parser(
+        "serve", help="serve the gRPC Inference API (or, with --role experts, the Experts API)",
+        description="Serve a model over gRPC with health, reflection and Prometheus /metrics.")
+    p.add_argument(F["model"], required=True, help="checkpoint directory (Hugging Face format)")
+    p.add_argument(F["listen"], default=f"0.0.0.0:{contract.GRPC_PORT}",
+                   help="host:port or unix:/path to listen on; port 0 picks a free one "
+                        f"(default 0.0.0.0:{contract.GRPC_PORT})")
+    p.add_argument(F["metrics_port"], type=int, default=contract.METRICS_PORT,
+                   help=f"port of the Prometheus /metrics endpoint; 0 picks a free one (default {contract.METRICS_PORT})")
+    p.add_argument(F["role"], choices=contract.ROLES, default="all",
+                   help="all: everything in one process (default); attention: all but the routed experts, "
+                        "calling --experts; experts: only the routed experts")
+    p.add_argument(F["experts"], help=f"address of the experts process, for --role attention (e.g. {contract.EXPERTS_SOCKET})")
+    p.add_argument(F["kv_shm"], help="back the CPU KV tier with this shared-memory file (both roles of a split pair)")
+    p.add_argument(F["device"], choices=["cpu", "cuda"], help="compute device (default: cuda when available)")
+    p.add_argument(F["dtype"], choices=["float32", "bfloat16"], help="default: the checkpoint's")
+    p.add_argument(F["threads"], type=int, help="CPU threads for the experts (default: all cores)")
+    p.add_argument(F["block_size"], type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument(F["gpu_memory_fraction"], type=float, default=0.9,
+                   help="share of free GPU memory for the device KV tier (default 0.9)")
+    p.add_argument(F["cpu_kv_gib"], type=float, default=1.0, help="GiB of CPU-tier KV (default 1)")
+    p.add_argument(F["expert_quant"], choices=contract.EXPERT_QUANTS, default="none",
+                   help="weight-only quantization of the routed experts (default none)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="largest running batch (default 64)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt plus generation (default: the model's)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="waiting requests beyond this are refused with RESOURCE_EXHAUSTED (default 1024)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight streams may run after SIGTERM before they are cancelled (default 30)")
+    p.add_argument("--expert-timeout", type=float, default=30.0,
+                   help="seconds one call to the experts process may take before it counts as down (default 30)")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def options_from_args(args):
+    """ServeOptions from parsed flags; ValueError names the bad flag."""
+    from tandem.rpc.server import ServeOptions
+
+    return ServeOptions(
+        model=args.model, listen=args.listen, metrics_port=args.metrics_port, role=args.role,
+        experts=args.experts, kv_shm=args.kv_shm, device=args.device, dtype=args.dtype, threads=args.threads,
+        block_size=args.block_size, gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib,
+        expert_quant=args.expert_quant, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout)
+
+
+def run_serve(args) -> int:
+    """Runs `tandem serve` until SIGTERM/SIGINT; returns the exit status."""
+    from pathlib import Path
+
+    from tandem.cli import UsageError
+    from tandem.rpc.server import serve
+
+    try:
+        opts = options_from_args(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not (Path(opts.model) / "config.json").is_file():
+        raise UsageError(f"--model: {opts.model} is not a checkpoint directory (no config.json)")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(opts))

@@ -1,0 +1,281 @@
+"""The serving loop: one thread owns the (not thread-safe) LLMEngine and steps it while there
+is work, fanning each step's RequestOutputs into per-request asyncio queues.
+
+Everything that touches the engine, adding and aborting requests included, runs on that
+thread as a queued command, so Generate handlers on the asyncio loop never block on a step.
+When the experts process is unreachable the engine keeps the failed step pending; this loop
+marks itself down (health NOT_SERVING, new requests UNAVAILABLE) and retries with backoff
+until a step, or a probe of the experts when nothing is pending, succeeds again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tandem.engine.sampling_params import RequestOutput, SamplingParams
+from tandem.experts.base import ExpertsUnavailable
+from tandem.metrics import ServingMetrics
+from tandem.rpc.errors import ServerUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopConfig:
+    """How the serving loop retries an unreachable experts process. Checked on construction.
+
+    The waiting-queue limit (RESOURCE_EXHAUSTED) is the engine's: EngineConfig.max_waiting."""
+
+    retry_initial_s: float = 0.05  # first backoff after the experts become unreachable
+    retry_max_s: float = 2.0
+
+    def __post_init__(self):
+        if not 0 < self.retry_initial_s <= self.retry_max_s:
+            raise ValueError("need 0 < retry_initial_s <= retry_max_s")
+
+
+@dataclass
+class _Stream:
+    """The asyncio side of one request, plus the timestamps its latency metrics need."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    arrival: float
+    last_token: float | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineLoop:
+    """Drives one LLMEngine from a background thread. `submit` from the asyncio loop."""
+
+    def __init__(
+        self,
+        engine,
+        metrics: ServingMetrics,
+        config: LoopConfig | None = None,
+        *,
+        on_serving_change: Callable[[bool], None] | None = None,
+        probe_experts: Callable[[], None] | None = None,
+    ):
+        self.engine = engine
+        self.metrics = metrics
+        self.config = config or LoopConfig()
+        self._on_serving_change = on_serving_change or (lambda serving: None)
+        self._probe_experts = probe_experts
+        self._cond = threading.Condition()
+        self._commands: list[Callable[[], None]] = []
+        self._streams: dict[str, _Stream] = {}  # owned by the loop thread
+        self._stopping = False
+        self._admitting = True
+        self.experts_down = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # -- asyncio side ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def submit(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> asyncio.Queue:
+        """Admits a request; returns the queue its RequestOutputs (or an exception) arrive on.
+
+        Raises InvalidRequest, QueueFull or ServerUnavailable without admitting it.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(asyncio.Queue(), loop, time.perf_counter())
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._call(lambda: self._add(request_id, prompt, params, stream, done))
+        await asyncio.wrap_future(done)
+        return stream.queue
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (client gone); its KV blocks are freed on the loop thread."""
+        self._call(lambda: self._abort(request_id, notify=False))
+
+    async def run_on_engine(self, fn: Callable):
+        """Runs `fn(engine)` on the loop thread (the engine is not thread-safe) and returns its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command():
+            try:
+                done.set_result(fn(self.engine))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                done.set_exception(exc)
+
+        self._call(command)
+        return await asyncio.wrap_future(done)
+
+    def stop_admitting(self) -> None:
+        with self._cond:
+            self._admitting = False
+
+    def in_flight(self) -> int:
+        """Requests admitted and not yet finished (read without the loop thread: approximate)."""
+        return len(self._streams)
+
+    def cancel_all(self) -> None:
+        """Aborts every in-flight request; each stream gets a final 'cancelled' output."""
+        self._call(self._cancel_all)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stops the thread after the commands already queued (call cancel_all first to drain)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _call(self, command: Callable[[], None]) -> None:
+        with self._cond:
+            if self._stopping:
+                raise ServerUnavailable("the server is shutting down")
+            self._commands.append(command)
+            self._cond.notify()
+
+    # -- loop thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = self.config.retry_initial_s
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or self._has_work()):
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            for command in commands:
+                command()
+            if stopping and not self._commands:
+                return
+            if self.experts_down:
+                backoff = self._retry(backoff)
+            elif self.engine.has_unfinished_requests():
+                self._step()
+
+    def _has_work(self) -> bool:
+        return self.experts_down or self.engine.has_unfinished_requests()
+
+    def _step(self) -> bool:
+        """One engine step; False when the experts were unreachable (the engine keeps it pending)."""
+        try:
+            outputs = self.engine.step()
+        except ExpertsUnavailable as exc:
+            self._set_down(True, exc)
+            return False
+        except Exception as exc:  # noqa: BLE001 - a bug in the engine fails its requests, not the server
+            log.exception("engine step failed; failing %d requests", len(self._streams))
+            self._fail_all(exc)
+            return True
+        self._dispatch(outputs)
+        self.metrics.record_engine_stats(self.engine.stats())
+        return True
+
+    def _retry(self, backoff: float) -> float:
+        """Sleeps `backoff` (waking for commands), then tries a step or a probe; returns the next backoff."""
+        with self._cond:
+            if not (self._commands or self._stopping):
+                self._cond.wait(backoff)
+            if self._commands or self._stopping:
+                return backoff  # handle aborts and shutdown first; retry on the next turn
+        if self.engine.has_unfinished_requests():
+            reachable = self._step()
+        else:
+            reachable = self._probe()
+        if not reachable:
+            return min(backoff * 2, self.config.retry_max_s)
+        self._set_down(False)
+        return self.config.retry_initial_s
+
+    def _probe(self) -> bool:
+        if self._probe_experts is None:
+            return True
+        try:
+            self._probe_experts()
+        except ExpertsUnavailable:
+            return False
+        return True
+
+    def _set_down(self, down: bool, exc: BaseException | None = None) -> None:
+        if down == self.experts_down:
+            return
+        self.experts_down = down
+        if down:
+            log.warning("experts unreachable (%s): NOT_SERVING, retrying", exc)
+        else:
+            log.warning("experts reachable again: SERVING")
+        self._on_serving_change(not down)
+
+    def mark_experts_down(self, exc: BaseException) -> None:
+        """Starts in the down state (the experts were unreachable at startup)."""
+        self._call(lambda: self._set_down(True, exc))
+
+    def _add(self, request_id, prompt, params, stream: _Stream, done) -> None:
+        try:
+            if not self._admitting:
+                raise ServerUnavailable("the server is shutting down")
+            if self.experts_down:
+                raise ServerUnavailable("the experts process is unreachable; retry later")
+            ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.engine.add_request(request_id, ids, params)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            done.set_exception(exc)
+            return
+        self._streams[request_id] = stream
+        self.metrics.prompt_tokens.inc(len(ids))
+        done.set_result(None)
+
+    def _abort(self, request_id: str, notify: bool) -> None:
+        stream = self._streams.pop(request_id, None)
+        output = self.engine.abort_request(request_id)
+        if stream is None:
+            return
+        self.metrics.record_outcome("cancelled")
+        if notify:
+            output = output or RequestOutput(request_id)
+            output.finished, output.finish_reason = True, "cancelled"
+            stream.put(output)
+
+    def _cancel_all(self) -> None:
+        for request_id in list(self._streams):
+            self._abort(request_id, notify=True)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self._streams.pop(request_id)
+            self.engine.abort_request(request_id)
+            self.metrics.record_outcome("error")
+            stream.put(exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            self._observe_tokens(stream, out, now)
+            if out.finished:
+                self._streams.pop(out.request_id)
+                self.metrics.prefix_cached_tokens.inc(out.num_cached_tokens)
+                reason = out.finish_reason if out.finish_reason in ("stop", "length") else "error"
+                self.metrics.record_outcome(reason)
+            stream.put(out)
+
+    def _observe_tokens(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        n = len(out.new_token_ids)
+        if n == 0:
+            return
+        self.metrics.generated_tokens.inc(n)
+        if stream.last_token is None:
+            self.metrics.time_to_first_token.observe(now - stream.arrival)
+        else:
+            gap = (now - stream.last_token) / n  # several tokens in one output share the gap
+            for _ in range(n):
+                self.metrics.inter_token_latency.observe(gap)
+        stream.last_token = now

@@ -1,0 +1,65 @@
+"""`GrpcExpertExecutor`: the ExpertExecutor of the split deployment, calling `--role experts`."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import torch
+
+from tandem.experts.base import ExpertsUnavailable
+from tandem.rpc.gen import experts_pb2, experts_pb2_grpc
+from tandem.rpc.tensors import from_proto, to_proto
+
+# Reconnect quickly once the experts process is back: gRPC's default backoff grows to 120 s.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_send_message_length", 1 << 30),
+    ("grpc.max_receive_message_length", 1 << 30),
+)
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class GrpcExpertExecutor:
+    """Implements ExpertExecutor by calling the Experts service at `address` (`unix:/path` or
+    `host:port`). Raises ExpertsUnavailable when it cannot be reached within `timeout_s`."""
+
+    def __init__(self, address: str, *, timeout_s: float = 30.0, metrics=None):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = experts_pb2_grpc.ExpertsStub(self._channel)
+
+    def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        request = experts_pb2.ExpertForwardRequest(
+            layer=layer, hidden=to_proto(hidden), topk_ids=to_proto(topk_ids.to(torch.int64)),
+            topk_weights=to_proto(topk_weights.to(torch.float32)))
+        start = time.perf_counter()
+        response = self._call(self._stub.Forward, request)
+        if self.metrics is not None:
+            self.metrics.expert_call_latency.observe(time.perf_counter() - start)
+        return from_proto(response.output, "output").to(hidden.device)
+
+    def info(self, timeout_s: float | None = None) -> experts_pb2.ExpertsInfo:
+        """What the experts process holds; ExpertsUnavailable when it is unreachable."""
+        return self._call(self._stub.GetExpertsInfo, experts_pb2.GetExpertsInfoRequest(), timeout_s)
+
+    def cpu_attention(self, request: experts_pb2.CpuAttentionRequest) -> torch.Tensor:
+        return from_proto(self._call(self._stub.CpuAttention, request).output, "output")
+
+    def _call(self, method, request, timeout_s: float | None = None):
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() in _UNREACHABLE:
+                raise ExpertsUnavailable(f"experts at {self.address}: {exc.code().name}: {exc.details()}") from exc
+            raise RuntimeError(f"experts at {self.address}: {exc.code().name}: {exc.details()}") from exc
+
+    def close(self) -> None:
+        self._channel.close()

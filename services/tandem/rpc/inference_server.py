@@ -1,0 +1,128 @@
+"""The public `tandem.v1.Inference` service over an EngineLoop."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+
+import grpc
+
+from tandem.engine.sampling_params import InvalidRequest, RequestOutput, SamplingParams
+from tandem.metrics import ServingMetrics
+from tandem.rpc.engine_loop import EngineLoop
+from tandem.rpc.errors import NoTokenizer, ServerUnavailable, outcome_of, status_of
+from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def sampling_params_from_proto(msg: inference_pb2.SamplingParams) -> SamplingParams:
+    """Unset fields keep SamplingParams' defaults; bad values raise InvalidRequest naming the field."""
+    kwargs = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    return SamplingParams(
+        **kwargs, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos)
+
+
+def prompt_from_proto(request: inference_pb2.GenerateRequest) -> str | list[int]:
+    if request.prompt and request.prompt_token_ids:
+        raise InvalidRequest("prompt", "give either prompt or prompt_token_ids, not both")
+    if request.prompt_token_ids:
+        return list(request.prompt_token_ids)
+    if not request.prompt:
+        raise InvalidRequest("prompt", "empty prompt: give prompt or prompt_token_ids")
+    return request.prompt
+
+
+def response_from_output(out: RequestOutput) -> inference_pb2.GenerateResponse:
+    response = inference_pb2.GenerateResponse(
+        request_id=out.request_id, token_ids=out.new_token_ids, text=out.text)
+    if out.finished:
+        response.finish_reason = out.finish_reason or ""
+        response.usage.prompt_tokens = out.num_prompt_tokens
+        response.usage.completion_tokens = out.num_output_tokens
+        response.usage.cached_tokens = out.num_cached_tokens
+    return response
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """Generate, Tokenize and GetModelInfo. Answers UNAVAILABLE until `attach` gives it an engine."""
+
+    def __init__(self, metrics: ServingMetrics, info: dict | None = None):
+        self.metrics = metrics
+        self.loop: EngineLoop | None = None
+        self.info = info or {}
+
+    def attach(self, loop: EngineLoop, info: dict) -> None:
+        """Starts answering with `loop`'s engine; `info` fills ModelInfo (role, device, dtype, model)."""
+        self.loop, self.info = loop, info
+
+    def _engine_loop(self) -> EngineLoop:
+        if self.loop is None:
+            raise ServerUnavailable("the model is still loading")
+        return self.loop
+
+    async def Generate(self, request, context):
+        try:
+            loop = self._engine_loop()
+            prompt = prompt_from_proto(request)
+            params = sampling_params_from_proto(request.sampling)
+            request_id = request.request_id or uuid.uuid4().hex
+            queue = await loop.submit(request_id, prompt, params)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
+            code, message = status_of(exc)
+            self.metrics.record_outcome(outcome_of(code))
+            await context.abort(code, message)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the loop already forgot the request
+                    code, message = status_of(item)
+                    await context.abort(code, message)
+                finished = item.finished
+                yield response_from_output(item)
+        finally:
+            if not finished:  # cancelled or disconnected: free its KV blocks now
+                log.info("request %s cancelled by the client", request_id)
+                with contextlib.suppress(ServerUnavailable):  # stopping: the loop cancels it anyway
+                    loop.abort(request_id)
+
+    async def Tokenize(self, request, context):
+        try:
+            loop = self._engine_loop()
+            if loop.engine.tokenizer is None:
+                raise NoTokenizer("this model has no tokenizer; send prompt_token_ids instead")
+            ids = await loop.run_on_engine(lambda engine: engine.encode(request.text))
+        except Exception as exc:  # noqa: BLE001
+            await context.abort(*status_of(exc))
+        return inference_pb2.TokenizeResponse(token_ids=ids)
+
+    async def GetModelInfo(self, request, context):
+        try:
+            loop = self._engine_loop()
+        except ServerUnavailable as exc:
+            await context.abort(*status_of(exc))
+        engine, cfg = loop.engine, loop.engine.model_config
+        return inference_pb2.ModelInfo(
+            model=str(self.info.get("model", "")),
+            architecture=str(getattr(cfg, "architecture", "")),
+            vocab_size=cfg.vocab_size,
+            max_model_len=engine.max_model_len,
+            num_layers=getattr(cfg, "num_layers", 0),
+            eos_token_ids=list(getattr(cfg, "eos_token_ids", ()) or ()),
+            has_tokenizer=engine.tokenizer is not None,
+            role=str(self.info.get("role", "")),
+            device=str(self.info.get("device", "")),
+            dtype=str(self.info.get("dtype", "")),
+        )
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+

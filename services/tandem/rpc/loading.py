@@ -1,0 +1,106 @@
+"""What each `tandem serve` role loads: the engine (all, attention) or the expert weights (experts)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import fields
+
+import torch
+
+from tandem.engine.llm_engine import EngineConfig, LLMEngine
+from tandem.experts.base import ExpertsUnavailable
+from tandem.metrics import ServingMetrics
+from tandem.model.config import ModelError, load_config
+from tandem.model.loader import build_expert_executor, resolve_dtype
+from tandem.rpc.experts_client import GrpcExpertExecutor
+from tandem.rpc.gen import experts_pb2
+
+log = logging.getLogger(__name__)
+
+
+class TimedExpertExecutor:
+    """Wraps an in-process executor to observe each call's latency (what the gRPC client does remotely)."""
+
+    def __init__(self, inner, histogram):
+        self.inner, self.histogram = inner, histogram
+
+    def forward(self, layer, hidden, topk_ids, topk_weights):
+        start = time.perf_counter()
+        out = self.inner.forward(layer, hidden, topk_ids, topk_weights)
+        self.histogram.observe(time.perf_counter() - start)
+        return out
+
+
+def engine_config(opts) -> EngineConfig:
+    """The EngineConfig fields `opts` (ServeOptions) sets; the rest keep their defaults."""
+    names = {f.name for f in fields(EngineConfig)}
+    values = {
+        "block_size": opts.block_size, "gpu_memory_fraction": opts.gpu_memory_fraction,
+        "cpu_kv_gib": opts.cpu_kv_gib, "kv_shm_path": opts.kv_shm, "max_num_seqs": opts.max_num_seqs,
+        "max_model_len": opts.max_model_len, "max_waiting": opts.max_waiting,
+    }
+    return EngineConfig(**{k: v for k, v in values.items() if k in names and v is not None})
+
+
+def load_embedded(opts, metrics: ServingMetrics) -> LLMEngine:
+    """`--role all`: the whole model in this process, routed experts on the in-process executor."""
+    engine = LLMEngine.from_pretrained(
+        opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts),
+        expert_threads=opts.threads, expert_quant=opts.expert_quant)
+    _time_expert_calls(engine.model, metrics)
+    return engine
+
+
+def _time_expert_calls(model: torch.nn.Module, metrics: ServingMetrics) -> None:
+    # The loader builds the in-process executor and hands it to every MoE block; wrapping it
+    # there times each call without loading the expert weights a second time.
+    wrapped = {}
+    for module in model.modules():
+        executor = getattr(module, "executor", None)
+        if executor is not None and hasattr(executor, "forward"):
+            key = id(executor)
+            wrapped.setdefault(key, TimedExpertExecutor(executor, metrics.expert_call_latency))
+            module.executor = wrapped[key]
+
+
+def connect_experts(opts, metrics: ServingMetrics) -> tuple[GrpcExpertExecutor, bool]:
+    """`--role attention`: the client of the experts process, and whether it answered now.
+
+    A process that answers must serve the same model; one that does not is retried later."""
+    client = GrpcExpertExecutor(opts.experts, timeout_s=opts.expert_timeout_s, metrics=metrics)
+    try:
+        info = client.info(timeout_s=min(2.0, opts.expert_timeout_s))
+    except ExpertsUnavailable as exc:
+        log.warning("experts process not reachable yet (%s); will retry", exc)
+        return client, False
+    check_same_model(load_config(opts.model), info, opts.experts)
+    return client, True
+
+
+def check_same_model(cfg, info: experts_pb2.ExpertsInfo, address: str) -> None:
+    if cfg.hidden_size != info.hidden_size or tuple(info.moe_layers) != tuple(cfg.moe_layers) \
+            or cfg.num_experts != info.num_experts:
+        raise ModelError(
+            f"the experts process at {address} serves {info.model!r} (hidden {info.hidden_size}, "
+            f"{info.num_experts} experts, MoE layers {list(info.moe_layers)}), which does not match "
+            f"this model (hidden {cfg.hidden_size}, {cfg.num_experts} experts, MoE layers {list(cfg.moe_layers)})")
+
+
+def load_attention(opts, client: GrpcExpertExecutor) -> LLMEngine:
+    """`--role attention`: everything but the routed-expert weights, which the experts process holds."""
+    return LLMEngine.from_pretrained(
+        opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts), expert_executor=client)
+
+
+def load_experts(opts) -> tuple[object, experts_pb2.ExpertsInfo]:
+    """`--role experts`: only the routed-expert weights, and the ExpertsInfo describing them."""
+    cfg = load_config(opts.model)
+    if not cfg.is_moe:
+        raise ModelError(f"{cfg.architecture} has no routed experts: serve it with --role all")
+    executor = build_expert_executor(opts.model, dtype=opts.dtype, threads=opts.threads, quant=opts.expert_quant)
+    dtype = str(resolve_dtype(cfg, opts.dtype)).removeprefix("torch.")
+    info = experts_pb2.ExpertsInfo(
+        model=str(opts.model), moe_layers=list(cfg.moe_layers), num_experts=cfg.num_experts,
+        hidden_size=cfg.hidden_size, dtype=dtype, kv_shm_path=opts.kv_shm or "")
+    return executor, info

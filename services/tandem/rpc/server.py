@@ -1,0 +1,232 @@
+"""One `tandem serve` process: a grpc.aio server with health, reflection and `/metrics`,
+serving `Inference` (roles all, attention) or `Experts` (role experts).
+
+The server listens before the model loads, answering health NOT_SERVING until it is ready,
+so Kubernetes probes and clients can tell "loading" from "down". SIGTERM stops admitting,
+lets in-flight streams finish for `shutdown_grace_s`, cancels the rest and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem import contract
+from tandem.metrics import ServingMetrics
+from tandem.rpc import experts_server, inference_server, loading
+from tandem.rpc.addresses import check_address, prepare_unix_socket, with_bound_port
+from tandem.rpc.engine_loop import EngineLoop
+
+log = logging.getLogger("tandem.serve")
+
+MESSAGE_LIMIT = 1 << 30  # expert calls carry [T, H] activations: far above gRPC's 4 MiB default
+SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+)
+
+
+@dataclass
+class ServeOptions:
+    """`tandem serve`'s settings, checked on construction."""
+
+    model: str
+    listen: str = f"0.0.0.0:{contract.GRPC_PORT}"
+    metrics_port: int | None = contract.METRICS_PORT  # None: no /metrics endpoint
+    role: str = "all"
+    experts: str | None = None
+    kv_shm: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    threads: int | None = None
+    block_size: int = 16
+    gpu_memory_fraction: float = 0.9
+    cpu_kv_gib: float = 1.0
+    expert_quant: str = "none"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_waiting: int = 1024
+    shutdown_grace_s: float = 30.0
+    expert_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if self.role not in contract.ROLES:
+            raise ValueError(f"--role must be one of {', '.join(contract.ROLES)}, got {self.role!r}")
+        check_address(self.listen, "--listen")
+        if self.role == "attention":
+            if not self.experts:
+                raise ValueError("--role attention needs --experts ADDR (the experts process)")
+            check_address(self.experts, "--experts")
+        elif self.experts:
+            raise ValueError(f"--experts is only for --role attention, not --role {self.role}")
+        if self.expert_quant not in contract.EXPERT_QUANTS:
+            raise ValueError(f"--expert-quant must be one of {', '.join(contract.EXPERT_QUANTS)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if self.shutdown_grace_s < 0 or self.expert_timeout_s <= 0:
+            raise ValueError("--shutdown-grace must be >= 0 and --expert-timeout > 0")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {self.threads}")
+
+    @property
+    def service(self) -> str:
+        return contract.EXPERTS_SERVICE if self.role == "experts" else contract.INFERENCE_SERVICE
+
+
+class Health:
+    """The standard health service, with the overall ("") status tracking our one service."""
+
+    def __init__(self, server: grpc.aio.Server, service: str):
+        self.servicer = health.aio.HealthServicer()
+        self.service = service
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", self.service):
+            await self.servicer.set(name, status)
+
+
+def _load_in_thread(fn) -> concurrent.futures.Future:
+    # A daemon thread, not asyncio.to_thread: SIGTERM during a long load must not wait for it.
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        try:
+            done.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - reported by serve()
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="load-model", daemon=True).start()
+    return done
+
+
+async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
+                started: asyncio.Future | None = None) -> int:
+    """Runs the server until SIGTERM or SIGINT; returns the exit status (0 after a clean shutdown).
+
+    Embedding it (tests): pass `stop` to stop it instead of signals, and `started` to learn
+    {"address": bound address, "metrics_port": port or None} once it listens.
+    """
+    loop = asyncio.get_running_loop()
+    metrics = ServingMetrics()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_state = Health(server, opts.service)
+    if opts.role == "experts":
+        servicer = experts_server.ExpertsServicer(metrics)
+        experts_server.add_to_server(servicer, server)
+    else:
+        servicer = inference_server.InferenceServicer(metrics)
+        inference_server.add_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        (opts.service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    await health_state.set(False)
+
+    prepare_unix_socket(opts.listen)
+    port = server.add_insecure_port(opts.listen)
+    await server.start()
+    httpd = metrics.serve_http(opts.metrics_port) if opts.metrics_port is not None else None
+    address = with_bound_port(opts.listen, port)
+    log.info("role %s listening on %s%s", opts.role, address,
+             f"; metrics on http://0.0.0.0:{httpd.server_port}/metrics" if httpd else "")
+    if started is not None:
+        started.set_result({"address": address, "metrics_port": httpd.server_port if httpd else None})
+
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+    engine_loop = None
+    try:
+        loaded = await _wait_loaded(_load_in_thread(lambda: _load(opts, metrics)), stop)
+        if loaded is None:
+            log.info("stopped while loading")
+            return 0
+        if opts.role == "experts":
+            executor, info = loaded
+            servicer.attach(executor, info)
+            await health_state.set(True)
+        else:
+            engine, reachable, client = loaded
+            engine_loop = _engine_loop(engine, client, metrics, health_state, loop)
+            servicer.attach(engine_loop, _model_info(opts, engine))
+            # Health first, then the loop: its own changes must land after this one.
+            await health_state.set(reachable)
+            if not reachable:
+                engine_loop.mark_experts_down(RuntimeError("experts unreachable at startup"))
+            engine_loop.start()
+        log.info("model loaded from %s: %s", opts.model, "SERVING" if opts.role == "experts" or reachable
+                 else "NOT_SERVING until the experts process answers")
+        await stop.wait()
+        log.info("shutting down")
+        await health_state.set(False)
+        if engine_loop is not None:
+            await _drain(engine_loop, opts.shutdown_grace_s)
+        await server.stop(grace=5.0)
+        return 0
+    except Exception:
+        log.exception("tandem serve failed")
+        await server.stop(grace=0)
+        return 1
+    finally:
+        if engine_loop is not None:
+            engine_loop.stop(timeout=5.0)
+        if opts.role == "experts":
+            servicer.close()
+        if httpd is not None:
+            httpd.shutdown()
+
+
+async def _wait_loaded(load: concurrent.futures.Future, stop: asyncio.Event):
+    """The load's result, or None when stop was asked for first; re-raises a failed load."""
+    load_task = asyncio.wrap_future(load)
+    stop_task = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({load_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if load_task in done:
+        stop_task.cancel()
+        return load_task.result()
+    return None
+
+
+def _load(opts: ServeOptions, metrics: ServingMetrics):
+    if opts.role == "experts":
+        return loading.load_experts(opts)
+    if opts.role == "all":
+        return loading.load_embedded(opts, metrics), True, None
+    client, reachable = loading.connect_experts(opts, metrics)
+    return loading.load_attention(opts, client), reachable, client
+
+
+def _engine_loop(engine, client, metrics, health_state: Health, loop) -> EngineLoop:
+    def on_serving_change(serving: bool) -> None:
+        asyncio.run_coroutine_threadsafe(health_state.set(serving), loop)
+
+    probe = (lambda: client.info(timeout_s=1.0)) if client is not None else None
+    return EngineLoop(engine, metrics, on_serving_change=on_serving_change, probe_experts=probe)
+
+
+def _model_info(opts: ServeOptions, engine) -> dict:
+    dtype = next(engine.model.parameters()).dtype
+    return {"model": opts.model, "role": opts.role, "device": str(engine.device),
+            "dtype": str(dtype).removeprefix("torch.")}
+
+
+async def _drain(engine_loop: EngineLoop, grace_s: float) -> None:
+    """Stops admitting, waits up to grace_s for in-flight requests, then cancels the rest."""
+    engine_loop.stop_admitting()
+    deadline = time.monotonic() + grace_s
+    while engine_loop.in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if engine_loop.in_flight():
+        log.info("cancelling %d in-flight requests", engine_loop.in_flight())
+        engine_loop.cancel_all()
