@@ -1,0 +1,88 @@
+"""The autoscaler's arithmetic: the HPA rule with tolerance, limits and stabilisation windows.
+
+Pure functions of numbers and a list of past recommendations, so every case is a unit test.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .spec import AutoscalingSpec
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What the rule asked for at one moment (seconds on any monotonic clock)."""
+
+    time: float
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int  # what to set now
+    recommended: int  # the rule's answer before stabilisation
+    reason: str  # ScaleUp, ScaleDown, WithinTolerance, Stabilized, AtLimit
+
+
+def rule(current: int, measured: float, target: float, tolerance: float) -> int:
+    """The HPA rule: ceil(current × measured / target), unless within 1 ± tolerance of target."""
+    if current < 0 or measured < 0 or target <= 0:
+        raise ValueError(f"bad inputs: current={current}, measured={measured}, target={target}")
+    ratio = measured / target
+    if abs(ratio - 1.0) <= tolerance:
+        return current
+    # The epsilon keeps 3 × (1.1/1.1) from rounding up to 4 through float error.
+    return math.ceil(current * ratio - 1e-9)
+
+
+def clamp(replicas: int, minimum: int, maximum: int) -> int:
+    return max(minimum, min(maximum, replicas))
+
+
+def stabilize(current: int, recommended: int, history: list[Recommendation], now: float,
+              up_window: float, down_window: float) -> int:
+    """As the HPA does: scale up only to the lowest, and down only to the highest, recommendation
+    seen within the respective window (the current one included). Flapping load then moves
+    replicas in one direction per window at most.
+    """
+    up_limit = down_limit = recommended
+    for past in history:
+        if past.time > now - up_window:
+            up_limit = min(up_limit, past.replicas)
+        if past.time > now - down_window:
+            down_limit = max(down_limit, past.replicas)
+    replicas = current
+    if replicas < up_limit:
+        replicas = up_limit
+    if replicas > down_limit:
+        replicas = down_limit
+    return replicas
+
+
+def decide(current: int, measured_s: float, spec: AutoscalingSpec, history: list[Recommendation],
+           now: float) -> tuple[Decision, list[Recommendation]]:
+    """The replicas to set from a measured p95 (seconds), and the history to keep for next time."""
+    if spec.maxReplicas is None or spec.targetP95InterTokenLatencyMs is None:
+        raise ValueError("autoscaling needs maxReplicas and targetP95InterTokenLatencyMs")
+    target_s = spec.targetP95InterTokenLatencyMs / 1000.0
+    raw = rule(current, measured_s, target_s, spec.tolerance)
+    recommended = clamp(raw, spec.minReplicas, spec.maxReplicas)
+    replicas = stabilize(current, recommended, history, now,
+                         spec.scaleUpStabilizationSeconds, spec.scaleDownStabilizationSeconds)
+    keep = max(spec.scaleUpStabilizationSeconds, spec.scaleDownStabilizationSeconds)
+    history = [r for r in history if r.time > now - keep] + [Recommendation(now, recommended)]
+    return Decision(replicas, recommended, _reason(current, raw, recommended, replicas)), history
+
+
+def _reason(current: int, raw: int, recommended: int, replicas: int) -> str:
+    if replicas > current:
+        return "ScaleUp"
+    if replicas < current:
+        return "ScaleDown"
+    if raw == current:
+        return "WithinTolerance"
+    if recommended == current:
+        return "AtLimit"
+    return "Stabilized"

@@ -1,0 +1,164 @@
+"""The two containers of a HybridModel pod: `attention` (GPU) and `experts` (CPU socket).
+
+Both run `tandem serve` from the same image with the flags in `tandem.contract`. They talk over
+a Unix socket in a shared emptyDir and share the CPU KV tier through an emptyDir of medium
+Memory. Requests equal limits in both, with whole CPUs, so the pod is Guaranteed QoS and the
+kubelet's static CPU manager and topology manager can pin it to one socket.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from tandem import contract
+
+from . import names
+from .spec import MODEL_MOUNT, HybridModelSpec
+
+FLAGS = contract.SERVE_FLAGS
+SOCKET_DIR = posixpath.dirname(contract.EXPERTS_SOCKET.removeprefix("unix:"))
+TMP_DIR = "/tmp"
+
+# Pod volume names, shared with tandem_operator.pod.
+MODEL_VOLUME = "model"
+SOCKET_VOLUME = "sockets"
+KV_VOLUME = "kv-cpu-tier"
+TMP_VOLUME = "tmp"
+
+# The kubelet's gRPC probe speaks TCP only; the experts server listens on the Unix socket, so
+# its probe is the same health Check, made from inside the container with the image's grpcio.
+HEALTH_CHECK_SCRIPT = (
+    "import sys, grpc\n"
+    "from grpc_health.v1 import health_pb2 as pb, health_pb2_grpc as rpc\n"
+    "request = pb.HealthCheckRequest(service=sys.argv[2])\n"
+    "reply = rpc.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(request, timeout=float(sys.argv[3]))\n"
+    "sys.exit(0 if reply.status == pb.HealthCheckResponse.SERVING else 1)\n"
+)
+PROBE_TIMEOUT_SECONDS = 5
+# Loading hundreds of GB of experts from a volume takes minutes: the startup probe allows 30.
+STARTUP_FAILURES = 180
+STARTUP_PERIOD_SECONDS = 10
+
+
+def build_attention_container(spec: HybridModelSpec) -> dict:
+    """The GPU side: attention, dense layers, router and LM head; serves the public gRPC API."""
+    args = _serve_args(spec, "attention") + [
+        FLAGS["listen"], f"[::]:{contract.GRPC_PORT}",
+        FLAGS["metrics_port"], str(contract.METRICS_PORT),
+        FLAGS["experts"], contract.EXPERTS_SOCKET,
+        FLAGS["device"], "cuda",
+        FLAGS["gpu_memory_fraction"], _number(spec.kvCache.gpuMemoryFraction),
+    ]
+    resources = {"cpu": str(spec.attention.cpus), "memory": spec.attention.memory,
+                 "nvidia.com/gpu": str(spec.attention.gpus)}
+    return {
+        **_common(spec, names.ATTENTION, args, resources),
+        "ports": [
+            {"name": "grpc", "containerPort": contract.GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": contract.METRICS_PORT, "protocol": "TCP"},
+        ],
+        "startupProbe": _grpc_probe(contract.INFERENCE_SERVICE, STARTUP_PERIOD_SECONDS, STARTUP_FAILURES),
+        "readinessProbe": _grpc_probe(contract.INFERENCE_SERVICE, 5, 3),
+        # Liveness asks for the server as a whole (service ""), so a lost experts peer makes the
+        # pod unready rather than restarting the process that holds the GPU weights.
+        "livenessProbe": _grpc_probe("", 10, 6),
+    }
+
+
+def build_experts_container(spec: HybridModelSpec) -> dict:
+    """The CPU side: routed experts on the socket's whole cores, served on the Unix socket."""
+    threads = spec.experts.compute_threads
+    args = _serve_args(spec, "experts") + [
+        FLAGS["listen"], contract.EXPERTS_SOCKET,
+        FLAGS["metrics_port"], str(contract.EXPERTS_METRICS_PORT),
+        FLAGS["device"], "cpu",
+        FLAGS["threads"], str(threads),
+        FLAGS["expert_quant"], spec.experts.quantization,
+    ]
+    resources = {"cpu": str(spec.experts.cpus), "memory": spec.experts.memory}
+    container = _common(spec, names.EXPERTS, args, resources)
+    container["env"].append({"name": "OMP_NUM_THREADS", "value": str(threads)})
+    return {
+        **container,
+        "ports": [{"name": "expert-metrics", "containerPort": contract.EXPERTS_METRICS_PORT, "protocol": "TCP"}],
+        "startupProbe": _exec_probe(contract.EXPERTS_SERVICE, STARTUP_PERIOD_SECONDS, STARTUP_FAILURES),
+        "readinessProbe": _exec_probe(contract.EXPERTS_SERVICE, 5, 3),
+        "livenessProbe": _exec_probe("", 10, 6),
+    }
+
+
+def volume_mounts() -> list[dict]:
+    """Mounts both containers share: the model (read-only), the socket, the CPU KV tier, /tmp."""
+    return [
+        {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True},
+        {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR},
+        {"name": KV_VOLUME, "mountPath": contract.KV_SHM_PATH},
+        {"name": TMP_VOLUME, "mountPath": TMP_DIR},
+    ]
+
+
+def container_security_context() -> dict:
+    """Non-root, read-only root filesystem, no privilege escalation, no capabilities."""
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _serve_args(spec: HybridModelSpec, role: str) -> list[str]:
+    return [
+        "serve",
+        FLAGS["role"], role,
+        FLAGS["model"], spec.model_dir,
+        FLAGS["dtype"], spec.model.dtype,
+        FLAGS["kv_shm"], contract.KV_SHM_PATH,
+        FLAGS["block_size"], str(spec.kvCache.blockSize),
+        FLAGS["cpu_kv_gib"], str(spec.kvCache.cpuTierGiB),
+    ]
+
+
+def _common(spec: HybridModelSpec, name: str, args: list[str], resources: dict) -> dict:
+    return {
+        "name": name,
+        "image": spec.image,
+        "imagePullPolicy": spec.imagePullPolicy,
+        "command": ["tandem"],
+        "args": args,
+        "env": [
+            # The root filesystem is read-only: caches go to the /tmp emptyDir.
+            {"name": "HOME", "value": TMP_DIR},
+            # Weights come from the mounted volume; never reach for the Hugging Face Hub.
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+        ],
+        # Requests equal limits: Guaranteed QoS, which the static CPU manager needs to pin cores.
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "volumeMounts": volume_mounts(),
+        "securityContext": container_security_context(),
+    }
+
+
+def _grpc_probe(service: str, period: int, failures: int) -> dict:
+    return {
+        "grpc": {"port": contract.GRPC_PORT, "service": service},
+        "periodSeconds": period,
+        "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
+        "failureThreshold": failures,
+    }
+
+
+def _exec_probe(service: str, period: int, failures: int) -> dict:
+    command = ["python", "-c", HEALTH_CHECK_SCRIPT, contract.EXPERTS_SOCKET, service,
+               str(PROBE_TIMEOUT_SECONDS - 1)]
+    return {
+        "exec": {"command": command},
+        "periodSeconds": period,
+        "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
+        "failureThreshold": failures,
+    }
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"

@@ -1,0 +1,71 @@
+"""The pod template of a HybridModel replica: two containers, shared volumes, placement, security."""
+
+from __future__ import annotations
+
+from tandem import contract
+
+from . import names, placement
+from .containers import (KV_VOLUME, MODEL_VOLUME, SOCKET_VOLUME, TMP_VOLUME, build_attention_container,
+                         build_experts_container)
+from .spec import HybridModelSpec
+
+# A fixed unprivileged uid/gid (the distroless "nonroot" user), so runAsNonRoot holds even for
+# images whose USER is a name the kubelet cannot check.
+NONROOT_ID = 65532
+TERMINATION_GRACE_SECONDS = 60
+
+
+def build_pod_template(spec: HybridModelSpec, name: str) -> dict:
+    """The Deployment's pod template for HybridModel `name`."""
+    pod_spec = {
+        "containers": [build_attention_container(spec), build_experts_container(spec)],
+        "volumes": build_volumes(spec),
+        "affinity": placement.build_affinity(spec, name),
+        "tolerations": placement.build_tolerations(spec),
+        "securityContext": build_pod_security_context(),
+        # The pods talk to nothing in the cluster's API, and service env vars are noise.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+    }
+    node_selector = placement.build_node_selector(spec)
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if spec.imagePullSecrets:
+        pod_spec["imagePullSecrets"] = [dict(secret) for secret in spec.imagePullSecrets]
+    return {
+        "metadata": {
+            "labels": names.common_labels(name),
+            # Read by the usual `kubernetes-pods` Prometheus scrape job.
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(contract.METRICS_PORT),
+                "prometheus.io/path": "/metrics",
+            },
+        },
+        "spec": pod_spec,
+    }
+
+
+def build_volumes(spec: HybridModelSpec) -> list[dict]:
+    """The model volume (any volume source from the spec) and three emptyDirs."""
+    kv_tier = {"medium": "Memory"}
+    if spec.kvCache.cpuTierGiB > 0:
+        kv_tier["sizeLimit"] = f"{spec.kvCache.cpuTierGiB}Gi"
+    return [
+        {"name": MODEL_VOLUME, **spec.model.volume},
+        {"name": SOCKET_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+        {"name": KV_VOLUME, "emptyDir": kv_tier},
+        {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "1Gi"}},
+    ]
+
+
+def build_pod_security_context() -> dict:
+    """Pod-wide: non-root user and group, the runtime's default seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NONROOT_ID,
+        "runAsGroup": NONROOT_ID,
+        "fsGroup": NONROOT_ID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }

@@ -1,0 +1,340 @@
+"""The HybridModel spec as typed, validated, defaulted dataclasses.
+
+The API server already applies the CRD's defaults and validation; this module applies the same
+again so the operator never acts on a spec it does not understand (an older CRD, a test server
+without schema validation). Defaults here must equal the CRD's: tests/operator checks it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kubernetes.utils import parse_quantity
+
+from tandem import contract
+
+
+class SpecError(ValueError):
+    """The HybridModel spec is invalid; the message names the field and the rule."""
+
+
+# Path segments never start with a dot: no `..` escapes from the volume, no hidden dirs.
+_MODEL_PATH = re.compile(r"^$|^[A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*(/[A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*)*$")
+# The CRD's quantity pattern, without negative or milli values that make no sense for memory.
+_QUANTITY = re.compile(
+    r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[kMGTPE]|([eE](\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+_URL = re.compile(r"^https?://\S+$")
+DTYPES = ("bfloat16", "float16", "float32")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+METRICS_SOURCES = ("Pods", "Prometheus")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    volume: dict
+    path: str = ""
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    gpus: int = 1
+    cpus: int = 4
+    memory: str = "32Gi"
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    cpus: int = 16
+    memory: str = "128Gi"
+    threads: int | None = None
+    quantization: str = "none"
+
+    @property
+    def compute_threads(self) -> int:
+        """Threads for expert compute: one per whole CPU unless set."""
+        return self.threads or self.cpus
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    blockSize: int = 16
+    gpuMemoryFraction: float = 0.9
+    cpuTierGiB: int = 8
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    nodeAffinity: dict | None = None
+    tolerations: list | None = None
+    nodeSelector: dict = field(default_factory=dict)
+    onePerNode: bool = True
+
+
+@dataclass(frozen=True)
+class PrometheusSpec:
+    url: str
+    query: str | None = None
+
+
+@dataclass(frozen=True)
+class MetricsSpec:
+    source: str = "Pods"
+    prometheus: PrometheusSpec | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    minReplicas: int = 1
+    maxReplicas: int | None = None
+    targetP95InterTokenLatencyMs: float | None = None
+    tolerance: float = 0.1
+    windowSeconds: int = 60
+    scaleUpStabilizationSeconds: int = 0
+    scaleDownStabilizationSeconds: int = 300
+    metrics: MetricsSpec = field(default_factory=MetricsSpec)
+
+
+@dataclass(frozen=True)
+class HybridModelSpec:
+    """A whole, valid HybridModel spec."""
+
+    model: ModelSpec
+    image: str
+    imagePullPolicy: str = "IfNotPresent"
+    imagePullSecrets: tuple = ()
+    replicas: int = 1
+    attention: AttentionSpec = field(default_factory=AttentionSpec)
+    experts: ExpertsSpec = field(default_factory=ExpertsSpec)
+    kvCache: KVCacheSpec = field(default_factory=KVCacheSpec)
+    placement: PlacementSpec = field(default_factory=PlacementSpec)
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+
+    @property
+    def model_dir(self) -> str:
+        """The checkpoint directory inside the containers."""
+        return f"{MODEL_MOUNT}/{self.model.path}".rstrip("/")
+
+
+MODEL_MOUNT = "/models"
+
+
+def parse_spec(raw: Mapping[str, Any] | None) -> HybridModelSpec:
+    """Validate a HybridModel `.spec` and fill in defaults; raise SpecError on the first bad field."""
+    spec = _object(raw, "spec")
+    _known(spec, "spec", HybridModelSpec)
+    replicas = _int(spec, "replicas", "spec", 1, minimum=0)
+    return HybridModelSpec(
+        model=_model(_object(_required(spec, "model", "spec"), "spec.model")),
+        image=_string(spec, "image", "spec", None, min_length=1),
+        imagePullPolicy=_choice(spec, "imagePullPolicy", "spec", "IfNotPresent", PULL_POLICIES),
+        imagePullSecrets=_pull_secrets(spec.get("imagePullSecrets")),
+        replicas=replicas,
+        attention=_attention(_object(spec.get("attention", {}), "spec.attention")),
+        experts=_experts(_object(spec.get("experts", {}), "spec.experts")),
+        kvCache=_kv_cache(_object(spec.get("kvCache", {}), "spec.kvCache")),
+        placement=_placement(_object(spec.get("placement", {}), "spec.placement")),
+        autoscaling=_autoscaling(_object(spec.get("autoscaling", {}), "spec.autoscaling")),
+    )
+
+
+def _model(raw: Mapping) -> ModelSpec:
+    _known(raw, "spec.model", ModelSpec)
+    volume = _object(_required(raw, "volume", "spec.model"), "spec.model.volume")
+    if len(volume) != 1:
+        raise SpecError("spec.model.volume must hold exactly one volume source, e.g. persistentVolumeClaim")
+    path = _string(raw, "path", "spec.model", "")
+    if len(path) > 1024 or not _MODEL_PATH.match(path):
+        raise SpecError(f"spec.model.path {path!r} must be a relative path without '.'-leading segments")
+    return ModelSpec(volume=dict(volume), path=path, dtype=_choice(raw, "dtype", "spec.model", "bfloat16", DTYPES))
+
+
+def _attention(raw: Mapping) -> AttentionSpec:
+    _known(raw, "spec.attention", AttentionSpec)
+    return AttentionSpec(
+        gpus=_int(raw, "gpus", "spec.attention", 1, minimum=1, maximum=16),
+        cpus=_int(raw, "cpus", "spec.attention", 4, minimum=1),
+        memory=_quantity(raw, "memory", "spec.attention", "32Gi"),
+    )
+
+
+def _experts(raw: Mapping) -> ExpertsSpec:
+    _known(raw, "spec.experts", ExpertsSpec)
+    threads = raw.get("threads")
+    return ExpertsSpec(
+        cpus=_int(raw, "cpus", "spec.experts", 16, minimum=1),
+        memory=_quantity(raw, "memory", "spec.experts", "128Gi"),
+        threads=None if threads is None else _int(raw, "threads", "spec.experts", None, minimum=1),
+        quantization=_choice(raw, "quantization", "spec.experts", "none", contract.EXPERT_QUANTS),
+    )
+
+
+def _kv_cache(raw: Mapping) -> KVCacheSpec:
+    _known(raw, "spec.kvCache", KVCacheSpec)
+    fraction = _number(raw, "gpuMemoryFraction", "spec.kvCache", 0.9)
+    if not 0 < fraction <= 1:
+        raise SpecError(f"spec.kvCache.gpuMemoryFraction must be in (0, 1], got {fraction}")
+    return KVCacheSpec(
+        blockSize=_int(raw, "blockSize", "spec.kvCache", 16, minimum=1, maximum=1024),
+        gpuMemoryFraction=float(fraction),
+        cpuTierGiB=_int(raw, "cpuTierGiB", "spec.kvCache", 8, minimum=0),
+    )
+
+
+def _placement(raw: Mapping) -> PlacementSpec:
+    _known(raw, "spec.placement", PlacementSpec)
+    affinity = raw.get("nodeAffinity")
+    tolerations = raw.get("tolerations")
+    selector = _object(raw.get("nodeSelector", {}), "spec.placement.nodeSelector")
+    if affinity is not None:
+        affinity = dict(_object(affinity, "spec.placement.nodeAffinity"))
+    if tolerations is not None:
+        if not isinstance(tolerations, list) or not all(isinstance(t, dict) for t in tolerations):
+            raise SpecError("spec.placement.tolerations must be a list of Kubernetes tolerations")
+        tolerations = [dict(t) for t in tolerations]
+    if not all(isinstance(v, str) for v in selector.values()):
+        raise SpecError("spec.placement.nodeSelector values must be strings")
+    return PlacementSpec(
+        nodeAffinity=affinity,
+        tolerations=tolerations,
+        nodeSelector=dict(selector),
+        onePerNode=_bool(raw, "onePerNode", "spec.placement", True),
+    )
+
+
+def _autoscaling(raw: Mapping) -> AutoscalingSpec:
+    where = "spec.autoscaling"
+    _known(raw, where, AutoscalingSpec)
+    enabled = _bool(raw, "enabled", where, False)
+    minimum = _int(raw, "minReplicas", where, 1, minimum=1)
+    maximum = None if raw.get("maxReplicas") is None else _int(raw, "maxReplicas", where, None, minimum=1)
+    target = None if raw.get("targetP95InterTokenLatencyMs") is None else _number(
+        raw, "targetP95InterTokenLatencyMs", where, None)
+    if target is not None and target <= 0:
+        raise SpecError(f"{where}.targetP95InterTokenLatencyMs must be > 0, got {target}")
+    if enabled and (maximum is None or target is None):
+        raise SpecError("autoscaling.enabled needs maxReplicas and targetP95InterTokenLatencyMs")
+    if maximum is not None and minimum > maximum:
+        raise SpecError(f"autoscaling.minReplicas ({minimum}) must not exceed maxReplicas ({maximum})")
+    tolerance = _number(raw, "tolerance", where, 0.1)
+    if not 0 <= tolerance <= 1:
+        raise SpecError(f"{where}.tolerance must be in [0, 1], got {tolerance}")
+    return AutoscalingSpec(
+        enabled=enabled, minReplicas=minimum, maxReplicas=maximum,
+        targetP95InterTokenLatencyMs=None if target is None else float(target),
+        tolerance=float(tolerance),
+        windowSeconds=_int(raw, "windowSeconds", where, 60, minimum=1),
+        scaleUpStabilizationSeconds=_int(raw, "scaleUpStabilizationSeconds", where, 0, minimum=0),
+        scaleDownStabilizationSeconds=_int(raw, "scaleDownStabilizationSeconds", where, 300, minimum=0),
+        metrics=_metrics(_object(raw.get("metrics", {}), f"{where}.metrics")),
+    )
+
+
+def _metrics(raw: Mapping) -> MetricsSpec:
+    where = "spec.autoscaling.metrics"
+    _known(raw, where, MetricsSpec)
+    source = _choice(raw, "source", where, "Pods", METRICS_SOURCES)
+    prometheus = None
+    if raw.get("prometheus") is not None:
+        prom = _object(raw["prometheus"], f"{where}.prometheus")
+        _known(prom, f"{where}.prometheus", PrometheusSpec)
+        url = _string(prom, "url", f"{where}.prometheus", None)
+        if not _URL.match(url):
+            raise SpecError(f"{where}.prometheus.url must be an http(s) URL, got {url!r}")
+        query = None if prom.get("query") is None else _string(prom, "query", f"{where}.prometheus", None, 1)
+        prometheus = PrometheusSpec(url=url.rstrip("/"), query=query)
+    if source == "Prometheus" and prometheus is None:
+        raise SpecError("metrics.source Prometheus needs metrics.prometheus.url")
+    return MetricsSpec(source=source, prometheus=prometheus)
+
+
+def _pull_secrets(raw: Any) -> tuple:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(s, dict) and s.get("name") for s in raw):
+        raise SpecError("spec.imagePullSecrets must be a list of {name: ...}")
+    return tuple({"name": s["name"]} for s in raw)
+
+
+# Field readers: each names the field in its error.
+
+def _object(value: Any, where: str) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{where} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _known(raw: Mapping, where: str, cls: type) -> None:
+    unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise SpecError(f"{where} has unknown field(s): {', '.join(unknown)}")
+
+
+def _required(raw: Mapping, key: str, where: str) -> Any:
+    if raw.get(key) is None:
+        raise SpecError(f"{where}.{key} is required")
+    return raw[key]
+
+
+def _value(raw: Mapping, key: str, where: str, default: Any) -> Any:
+    value = raw.get(key)
+    if value is None:
+        if default is None:
+            raise SpecError(f"{where}.{key} is required")
+        return default
+    return value
+
+
+def _int(raw: Mapping, key: str, where: str, default: int | None, minimum: int | None = None,
+         maximum: int | None = None) -> int:
+    value = _value(raw, key, where, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{where}.{key} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise SpecError(f"{where}.{key} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(f"{where}.{key} must be <= {maximum}, got {value}")
+    return value
+
+
+def _number(raw: Mapping, key: str, where: str, default: float | None) -> float:
+    value = _value(raw, key, where, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{where}.{key} must be a number, got {value!r}")
+    return value
+
+
+def _bool(raw: Mapping, key: str, where: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise SpecError(f"{where}.{key} must be true or false, got {value!r}")
+    return value
+
+
+def _string(raw: Mapping, key: str, where: str, default: str | None, min_length: int = 0) -> str:
+    value = raw.get(key, default)
+    if value is None:
+        raise SpecError(f"{where}.{key} is required")
+    if not isinstance(value, str) or len(value) < min_length:
+        raise SpecError(f"{where}.{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _choice(raw: Mapping, key: str, where: str, default: str, choices: tuple) -> str:
+    value = raw.get(key, default)
+    if value not in choices:
+        raise SpecError(f"{where}.{key} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _quantity(raw: Mapping, key: str, where: str, default: str) -> str:
+    value = raw.get(key, default)
+    try:
+        if not isinstance(value, str) or not _QUANTITY.match(value) or parse_quantity(value) <= 0:
+            raise ValueError(value)
+    except ValueError:
+        raise SpecError(f"{where}.{key} must be a positive quantity such as 32Gi, got {value!r}") from None
+    return value
