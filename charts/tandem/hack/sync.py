@@ -37,6 +37,8 @@ CRD_VERSION = "v1alpha1"
 K8S_SCHEMA_VERSION = "1.37.0"
 K8S_TYPES = (
     "io.k8s.api.core.v1.Affinity",
+    "io.k8s.api.core.v1.NodeAffinity",
+    "io.k8s.api.core.v1.Volume",
     "io.k8s.api.core.v1.Toleration",
     "io.k8s.api.core.v1.ResourceRequirements",
     "io.k8s.api.core.v1.EnvVar",
@@ -45,6 +47,16 @@ K8S_TYPES = (
     "io.k8s.api.core.v1.SecurityContext",
 )
 _REF = re.compile(r"^#/\$defs/(.+)$")
+# A volume without its name: what HybridModel.spec.model.volume holds.
+VOLUME_SOURCE = "io.k8s.api.core.v1.VolumeSource"
+FIELDS_V1 = "io.k8s.apimachinery.pkg.apis.meta.v1.FieldsV1"
+# Fields the CRD leaves open (x-kubernetes-preserve-unknown-fields) that are Kubernetes types:
+# the values schema checks them as those types, so a typo fails `helm install`, not the pod.
+SPEC_K8S_FIELDS = {
+    ("model", "volume"): VOLUME_SOURCE,
+    ("placement", "nodeAffinity"): "io.k8s.api.core.v1.NodeAffinity",
+    ("placement", "tolerations", "items"): "io.k8s.api.core.v1.Toleration",
+}
 
 
 def hybrid_model_spec_schema() -> dict[str, Any]:
@@ -52,6 +64,25 @@ def hybrid_model_spec_schema() -> dict[str, Any]:
     crd = yaml.safe_load(CRD_SOURCE.read_text())
     schema = to_json_schema(crd_version_schema(crd, CRD_VERSION))
     return schema["properties"]["spec"]
+
+
+def with_kubernetes_types(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec schema with SPEC_K8S_FIELDS checked as their Kubernetes types."""
+    for path, definition in SPEC_K8S_FIELDS.items():
+        parent = spec
+        for name in path[:-1]:
+            parent = parent["properties"][name] if name != "items" else parent["items"]
+        key = path[-1]
+        if key == "items":
+            original = parent["items"]
+        else:
+            parent, key = parent["properties"], key
+            original = parent[key]
+        # Draft 7 ignores keywords next to $ref, so the CRD's own bounds go beside it in allOf.
+        kept = {k: v for k, v in original.items() if k not in ("type", "description")}
+        parent[key] = {"description": original.get("description", ""),
+                       "allOf": [{"$ref": f"#/definitions/{definition}"}, kept]}
+    return spec
 
 
 def kubernetes_definitions() -> dict[str, Any]:
@@ -64,6 +95,15 @@ def kubernetes_definitions() -> dict[str, Any]:
         name = wanted.pop()
         if name not in found:
             found[name] = _rewrite(source[name], wanted)
+    # managedFields (in an ephemeral volume's claim template) are written by the API server,
+    # never by users: the one free-form Kubernetes type here is closed rather than left open.
+    found[FIELDS_V1] = {"type": "object", "additionalProperties": False, "maxProperties": 0}
+    volume = found["io.k8s.api.core.v1.Volume"]
+    found[VOLUME_SOURCE] = {
+        **volume,
+        "properties": {k: v for k, v in volume["properties"].items() if k != "name"},
+        "required": [k for k in volume.get("required", []) if k != "name"],
+    }
     return dict(sorted(found.items()))
 
 
@@ -91,7 +131,8 @@ def _rewrite(node: Any, refs: list[str]) -> Any:
 def expected_values_schema() -> str:
     """values.schema.json as it should be: the hand-written part with fresh definitions."""
     schema = json.loads(VALUES_SCHEMA.read_text())
-    schema["definitions"] = {"hybridModelSpec": hybrid_model_spec_schema(), **kubernetes_definitions()}
+    spec = with_kubernetes_types(hybrid_model_spec_schema())
+    schema["definitions"] = {"hybridModelSpec": spec, **kubernetes_definitions()}
     return json.dumps(schema, indent=2) + "\n"
 
 

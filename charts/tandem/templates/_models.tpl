@@ -1,20 +1,22 @@
 {{/*
 How the operator labels and names what it renders for a HybridModel. These must match
-tandem_operator's builders; tests/chart checks them against the operator's own output.
+tandem_operator.names and its Service builder; tests/chart checks them against the
+operator's own output.
 */}}
 
 {{/*
-Labels on every Service the operator creates for a HybridModel.
+Labels on every Service the operator creates for a HybridModel (names.common_labels).
 */}}
 {{- define "tandem.modelServiceSelector" -}}
 app.kubernetes.io/managed-by: tandem-operator
+app.kubernetes.io/component: hybridmodel
 {{- end }}
 
 {{/*
-The Service label carrying the HybridModel's name.
+The Service label carrying the HybridModel's name (names.MODEL_LABEL).
 */}}
 {{- define "tandem.modelNameLabel" -}}
-app.kubernetes.io/instance
+tandem.dev/hybridmodel
 {{- end }}
 
 {{/*

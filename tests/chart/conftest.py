@@ -1,0 +1,106 @@
+"""Shared helpers for the chart tests: render with Helm's own engine, load the chart's tools."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm_python = pytest.importorskip("helm_python")
+
+REPO = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO / "charts" / "tandem"
+CRD_SOURCE = CHART_DIR / "crds" / "hybridmodels.tandem.dev.yaml"
+EXAMPLES_DIR = REPO / "examples"
+DOCKER_DIR = REPO / "docker"
+RELEASE = "tandem"
+NAMESPACE = "tandem-system"
+
+
+def load_hack(module: str):
+    """Import a script from charts/tandem/hack (not a package: it is left out of the chart)."""
+    path = CHART_DIR / "hack" / f"{module}.py"
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"tandem_chart_hack_{module}", path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+@pytest.fixture(scope="session")
+def chart():
+    with helm_python.Chart.load(CHART_DIR) as loaded:
+        yield loaded
+
+
+def render_objects(chart, values: dict[str, Any] | None = None, *, release: str = RELEASE,
+                   namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+    """Every Kubernetes object the chart renders for `values` (NOTES.txt excluded)."""
+    manifests = chart.render(values or {}, name=release, namespace=namespace)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith(".txt"):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(objects, kind)
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def load_example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((EXAMPLES_DIR / name).read_text())
+
+
+# Value sets that switch on every optional part of the chart, used by several test modules.
+NON_DEFAULT_VALUES: dict[str, dict[str, Any]] = {
+    "namespaced": {
+        "operator": {"watchNamespaces": ["models", "research"], "logLevel": "debug",
+                     "logFormat": "plain"},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    },
+    "everything": {
+        "fullnameOverride": "tandem-ops",
+        "crds": {"enabled": True, "keep": False},
+        "operator": {
+            "image": {"repository": "registry.example.com/tandem/operator",
+                      "digest": "sha256:" + "a" * 64, "pullPolicy": "Always"},
+            "imagePullSecrets": [{"name": "regcred"}],
+            "env": [{"name": "TANDEM_PROMETHEUS_URL", "value": "http://prometheus:9090"},
+                    {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+            "podAnnotations": {"example.com/team": "ml-platform"},
+            "podLabels": {"team": "ml-platform"},
+            "nodeSelector": {"kubernetes.io/os": "linux"},
+            "tolerations": [{"key": "CriticalAddonsOnly", "operator": "Exists"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "node-role.kubernetes.io/control-plane", "operator": "DoesNotExist"},
+                ]}]}}},
+            "priorityClassName": "system-cluster-critical",
+            "logLevel": "quiet",
+        },
+        "serviceAccount": {"create": True, "name": "tandem-sa",
+                           "annotations": {"iam.example.com/role": "tandem"}},
+        "serviceMonitor": {"enabled": True, "interval": "30s", "scrapeTimeout": "20s",
+                           "namespaces": ["models"]},
+        "hybridModel": {"enabled": True, "name": "mixtral",
+                        "spec": load_example("mixtral-8x7b.yaml")["spec"]},
+    },
+    "bring-your-own": {
+        "crds": {"enabled": False},
+        "rbac": {"create": False},
+        "serviceAccount": {"create": False, "name": "existing-operator"},
+    },
+}

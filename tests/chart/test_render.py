@@ -1,0 +1,120 @@
+"""The chart rendered by Helm's own engine (helm-python-sdk bundles Helm v4) and linted."""
+
+from __future__ import annotations
+
+import helm_python
+import pytest
+
+from conftest import CHART_DIR, NAMESPACE, NON_DEFAULT_VALUES, RELEASE, by_kind, one, render_objects
+
+ERROR = 3  # helm lint severity
+
+
+def test_default_render_has_the_operator_and_nothing_optional(chart):
+    objects = render_objects(chart)
+    kinds = sorted(obj["kind"] for obj in objects)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                     "Deployment", "ServiceAccount"]
+    for obj in objects:
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["helm.sh/chart"] == f"tandem-{chart.version}"
+
+
+def test_operator_deployment_runs_kopf_standalone_clusterwide(chart):
+    deployment = one(render_objects(chart), "Deployment")
+    assert deployment["metadata"]["namespace"] == NAMESPACE
+    assert deployment["spec"]["replicas"] == 1
+    # Two standalone kopf processes would both handle every HybridModel.
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == f"ghcr.io/tandem-llm/tandem-operator:{chart.metadata['appVersion']}"
+    assert container["command"] == ["kopf", "run"]
+    args = container["args"]
+    assert {"--standalone", "--all-namespaces", "--module=tandem_operator"} <= set(args)
+    assert not [arg for arg in args if arg.startswith("--namespace")]
+    assert pod["serviceAccountName"] == one(render_objects(chart), "ServiceAccount")["metadata"]["name"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["livenessProbe"]["httpGet"]["port"] == "health"
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_operator_module_exists_for_kopf():
+    # `--module=tandem_operator` must import; the operator image installs this package.
+    pytest.importorskip("tandem_operator")
+
+
+def test_watch_namespaces_become_kopf_flags(chart):
+    objects = render_objects(chart, NON_DEFAULT_VALUES["namespaced"])
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=models" in args and "--namespace=research" in args
+    assert "--all-namespaces" not in args
+    assert "--debug" in args and "--log-format=plain" in args
+
+
+def test_everything_on(chart):
+    values = NON_DEFAULT_VALUES["everything"]
+    objects = render_objects(chart, values)
+    deployment = one(objects, "Deployment")
+    assert deployment["metadata"]["name"] == "tandem-ops-operator"
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == "registry.example.com/tandem/operator@sha256:" + "a" * 64
+    assert container["imagePullPolicy"] == "Always"
+    assert "--quiet" in container["args"]
+    assert [env["name"] for env in container["env"]] == ["POD_NAMESPACE", "TANDEM_PROMETHEUS_URL", "NODE"]
+    assert pod["serviceAccountName"] == "tandem-sa"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    assert pod["tolerations"] == values["operator"]["tolerations"]
+    assert pod["affinity"] == values["operator"]["affinity"]
+    assert deployment["spec"]["template"]["metadata"]["labels"]["team"] == "ml-platform"
+    model = one(objects, "HybridModel")
+    assert model["metadata"] == {**model["metadata"], "name": "mixtral", "namespace": NAMESPACE}
+    assert model["spec"] == values["hybridModel"]["spec"]
+    assert one(objects, "ServiceMonitor")["spec"]["namespaceSelector"] == {"matchNames": ["models"]}
+
+
+def test_bring_your_own_crd_rbac_and_service_account(chart):
+    objects = render_objects(chart, NON_DEFAULT_VALUES["bring-your-own"])
+    assert sorted(obj["kind"] for obj in objects) == ["Deployment"]
+    pod = objects[0]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "existing-operator"
+
+
+def test_an_existing_service_account_must_be_named(chart):
+    with pytest.raises(helm_python.HelmError, match="serviceAccount.name is required"):
+        chart.render({"serviceAccount": {"create": False}}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_release_name_containing_chart_name_is_not_doubled(chart):
+    objects = render_objects(chart, release="tandem-prod")
+    assert one(objects, "Deployment")["metadata"]["name"] == "tandem-prod-operator"
+    objects = render_objects(chart, release="ml")
+    assert one(objects, "Deployment")["metadata"]["name"] == "ml-tandem-operator"
+
+
+def test_hybrid_model_defaults_to_the_release_name(chart):
+    spec = NON_DEFAULT_VALUES["everything"]["hybridModel"]["spec"]
+    objects = render_objects(chart, {"hybridModel": {"enabled": True, "spec": spec}}, release="mixtral")
+    assert one(objects, "HybridModel")["metadata"]["name"] == "mixtral"
+    assert not by_kind(render_objects(chart, {"hybridModel": {"spec": spec}}), "HybridModel")
+
+
+@pytest.mark.parametrize("values", [{}, *NON_DEFAULT_VALUES.values()],
+                         ids=["default", *NON_DEFAULT_VALUES])
+@pytest.mark.parametrize("kube_version", ["v1.28.0", None], ids=["k8s-1.28", "k8s-default"])
+def test_helm_lint_strict_has_no_errors(values, kube_version):
+    report = helm_python.lint(CHART_DIR, values, strict=True, namespace=NAMESPACE,
+                              kube_version=kube_version)
+    problems = [msg for msg in report["messages"] if msg["severity"] >= 2]
+    assert problems == [] and report["errors"] == []
+
+
+def test_helm_lint_reports_bad_values():
+    report = helm_python.lint(CHART_DIR, {"operator": {"replicas": 2}}, strict=True)
+    assert any(msg["severity"] == ERROR and "replicas" in msg["error"] for msg in report["messages"])
