@@ -11,6 +11,8 @@ $(BIN)/tandem: pyproject.toml
 	# torch first, pinned: anything that depends on an unpinned torch would pull a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# Build the native expert kernel now (cached), not at the first request; failure is not fatal.
+	$(BIN)/python -m tandem.experts.native
 	touch $@
 
 install: $(BIN)/tandem

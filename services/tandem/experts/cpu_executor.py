@@ -1,0 +1,156 @@
+"""The fast CPU expert executor: quantized weights, a fused native kernel, torch as fallback.
+
+Decode-shaped batches (few tokens) go to the native kernel, which streams each touched
+expert's rows once for all tokens routed to it. Prefill-shaped batches (many tokens per
+expert) are compute-bound, so they go to MKL's GEMM one expert at a time instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.experts import native
+from tandem.experts.base import ExpertWeights
+from tandem.experts.cores import available_cores
+from tandem.experts.quant import Int4Weight, Int8Weight, check_quant, quantize
+from tandem.experts.routing import check_batch, group_by_expert
+from tandem.experts.torch_kernels import Stored, decode_linear, moe_with_linears, prefill_linear
+
+KERNELS = ("auto", "native", "torch")
+_KIND = {torch.float32: 0, torch.bfloat16: 1, Int8Weight: 2, Int4Weight: 3}
+_EMPTY = torch.empty(0)
+
+
+@dataclass
+class PreparedLayer:
+    """One MoE layer's routed experts in the executor's storage, with their torch products."""
+
+    gate_up: Stored  # [E, 2I, H]
+    down: Stored  # [E, H, I]
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    group_size: int
+    prefill: tuple = field(default=())  # (gate_up, down) products for GEMM-shaped batches
+    decode: tuple = field(default=())  # torch products for GEMV-shaped batches (no native kernel)
+
+    @property
+    def kind(self) -> int:
+        w = self.gate_up
+        return _KIND[w.dtype] if isinstance(w, torch.Tensor) else _KIND[type(w)]
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert's weights (scales included): what decode reads per touched expert."""
+        return (_nbytes(self.gate_up) + _nbytes(self.down)) // self.num_experts
+
+    def native_args(self) -> tuple:
+        return (*_parts(self.gate_up), *_parts(self.down))
+
+
+class CpuExpertExecutor:
+    """Routed experts on CPU cores, in f32/bf16 ("none"), int8 or int4 weights.
+
+    `threads` defaults to the cores this process was given; it sets torch's intra-op threads,
+    which both the native kernel and the torch kernels use. `kernel`: "native" (fail when it
+    cannot be built), "torch" (torch's kernels only) or "auto" (native when it builds).
+    Batches of more than `prefill_tokens` tokens use the GEMM path.
+    """
+
+    def __init__(
+        self,
+        layers: dict[int, ExpertWeights],
+        *,
+        threads: int | None = None,
+        quant: str = "none",
+        kernel: str = "auto",
+        group_size: int = 32,
+        prefill_tokens: int = 32,
+    ):
+        check_quant(quant)
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown expert kernel {kernel!r}; choose one of {KERNELS}")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if prefill_tokens < 0:
+            raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
+        self.threads = threads or available_cores()
+        torch.set_num_threads(self.threads)
+        self.quant = quant
+        self.prefill_tokens = prefill_tokens
+        self.native = None if kernel == "torch" else native.load_kernel()
+        if kernel == "native" and self.native is None:
+            raise RuntimeError(f"native expert kernel unavailable: {native.unavailable_reason()}")
+        self.layers = {i: prepare_layer(w, quant, group_size, torch_decode=self.native is None)
+                       for i, w in layers.items()}
+        self._local = threading.local()
+
+    @property
+    def kernel(self) -> str:
+        """"native" or "torch": what decode-shaped batches actually run on."""
+        return "torch" if self.native is None else "native"
+
+    def forward(self, layer, hidden, topk_ids, topk_weights):
+        """hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32 -> [T, H] in hidden's dtype."""
+        p = self.layers.get(layer)
+        if p is None:
+            raise ValueError(f"no routed experts for layer {layer}; this executor holds layers {sorted(self.layers)}")
+        check_batch(hidden, topk_ids, topk_weights, p.hidden_size, p.num_experts)
+        x = hidden.detach().float().contiguous()  # [T, H]
+        out = torch.empty(x.shape, dtype=torch.float32)  # [T, H]
+        if self.native is not None and x.shape[0] <= self.prefill_tokens:
+            self._native_forward(p, x, topk_ids, topk_weights, out)
+        else:
+            groups = group_by_expert(topk_ids, topk_weights, p.num_experts)
+            products = p.decode if x.shape[0] <= self.prefill_tokens else p.prefill
+            moe_with_linears(x, groups, *products, out.zero_())
+        return out.to(hidden.dtype)
+
+    def _native_forward(self, p: PreparedLayer, x, topk_ids, topk_weights, out) -> None:
+        t, k = topk_ids.shape
+        g = p.group_size if p.kind == 3 else 1
+        need = t * k * p.intermediate_size + (t * k * (p.intermediate_size // g) + t * (p.hidden_size // g)
+                                              if p.kind == 3 else 0)
+        self.native.moe_forward(
+            x, topk_ids.long().contiguous(), topk_weights.float().contiguous(), p.kind, p.group_size,
+            *p.native_args(), out, self._scratch(need),
+        )
+
+    def _scratch(self, numel: int) -> torch.Tensor:
+        # One grow-only buffer per calling thread: decode allocates nothing large per step.
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32)
+            self._local.scratch = buf
+        return buf
+
+
+def prepare_layer(w: ExpertWeights, quant: str, group_size: int = 32, torch_decode: bool = False) -> PreparedLayer:
+    """Check one layer's expert weights and convert them to the executor's storage."""
+    gu, dn = w.gate_up, w.down
+    if gu.dim() != 3 or dn.dim() != 3:
+        raise ValueError(f"gate_up must be [E, 2I, H] and down [E, H, I], got {tuple(gu.shape)} and {tuple(dn.shape)}")
+    e, two_i, h = gu.shape
+    if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2):
+        raise ValueError(f"down {tuple(dn.shape)} does not match gate_up {tuple(gu.shape)}: want [E, H, I]")
+    gate_up, down = quantize(gu, quant, group_size), quantize(dn, quant, group_size)
+    layer = PreparedLayer(gate_up, down, e, h, two_i // 2, group_size)
+    layer.prefill = (prefill_linear(gate_up), prefill_linear(down))
+    if torch_decode:
+        layer.decode = (decode_linear(gate_up), decode_linear(down))
+    return layer
+
+
+def _parts(w: Stored) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if isinstance(w, Int8Weight):
+        return w.q, w.scale, _EMPTY
+    if isinstance(w, Int4Weight):
+        return w.packed, w.scale, w.min
+    return w, _EMPTY, _EMPTY
+
+
+def _nbytes(w: Stored) -> int:
+    return w.nbytes if not isinstance(w, torch.Tensor) else w.numel() * w.element_size()

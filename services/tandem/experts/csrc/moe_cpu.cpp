@@ -1,0 +1,260 @@
+// Fused routed-expert forward on the CPU: for the experts a token batch touches,
+// gate_up row pairs -> silu(gate) * up, then down rows, with weights read once per step.
+//
+// As in llama.cpp and KTransformers, the work is split over output rows (at::parallel_for,
+// so it uses torch's thread count) and each row is streamed once for every token routed to
+// its expert. The SIMD width is chosen at run time (__builtin_cpu_supports): AVX-512 where
+// present, else AVX2 + FMA + F16C, else plain C++.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace tandem {
+
+enum Kind : int64_t { kF32 = 0, kBF16 = 1, kInt8 = 2, kInt4 = 3 };
+constexpr int kTile = 4;  // tokens multiplied per weight-row read
+
+// One projection's stacked weights [E, rows, K] in one storage format.
+struct Mat {
+  const void* data;
+  const float* scale;      // int8: [E, rows]
+  const uint16_t* scale16;  // int4: [E, rows, K / group] fp16
+  const uint16_t* min16;    // int4: [E, rows, K / group] fp16
+  int64_t rows, K, group;
+  int64_t kind;
+};
+
+static inline float bf16_to_float(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+static inline float half_to_float(uint16_t v) { return _cvtsh_ss(v); }
+#define TANDEM_WIDE 0
+#include "kernels_impl.h"
+#undef TANDEM_WIDE
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+namespace avx512 {
+static inline float half_to_float(uint16_t v) { return _cvtsh_ss(v); }
+#define TANDEM_WIDE 1
+#include "kernels_impl.h"
+#undef TANDEM_WIDE
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace scalar {
+static float weight(const Mat& m, int64_t r, int64_t k) {
+  switch (m.kind) {
+    case kF32: return static_cast<const float*>(m.data)[r * m.K + k];
+    case kBF16: return bf16_to_float(static_cast<const uint16_t*>(m.data)[r * m.K + k]);
+    case kInt8: return static_cast<const int8_t*>(m.data)[r * m.K + k] * m.scale[r];
+    default: {
+      const uint8_t byte = static_cast<const uint8_t*>(m.data)[r * (m.K / 2) + (k / 32) * 16 + (k % 16)];
+      const int q = (k % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
+      const int64_t g = r * (m.K / m.group) + k / m.group;
+      c10::Half s, mn;
+      s.x = m.scale16[g];
+      mn.x = m.min16[g];
+      return q * static_cast<float>(s) + static_cast<float>(mn);
+    }
+  }
+}
+
+static void row_dot(const Mat& m, int64_t e, int64_t row, const float* const* x, const float* const*, int64_t n,
+                    float* res) {
+  const int64_t r = e * m.rows + row;
+  for (int64_t t = 0; t < n; ++t) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < m.K; ++k) acc += weight(m, r, k) * x[t][k];
+    res[t] = acc;
+  }
+}
+}  // namespace scalar
+
+using RowDot = void (*)(const Mat&, int64_t, int64_t, const float* const*, const float* const*, int64_t, float*);
+
+static std::string detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return "avx512";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return "avx2";
+  return "scalar";
+}
+
+static std::string g_isa = detect_isa();
+
+static std::vector<std::string> supported_isas() {
+  std::vector<std::string> out{"scalar"};
+  const std::string best = detect_isa();
+  if (best == "avx2" || best == "avx512") out.push_back("avx2");
+  if (best == "avx512") out.push_back("avx512");
+  return out;
+}
+
+static void set_isa(const std::string& isa) {
+  for (const auto& s : supported_isas())
+    if (s == isa) {
+      g_isa = isa;
+      return;
+    }
+  TORCH_CHECK(false, "instruction set '", isa, "' is not supported on this CPU (", detect_isa(), " is the best)");
+}
+
+static RowDot row_dot_for_isa() {
+  if (g_isa == "avx512") return avx512::row_dot;
+  if (g_isa == "avx2") return avx2::row_dot;
+  return scalar::row_dot;
+}
+
+static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mn, int64_t K,
+                    int64_t group) {
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous(), "expert weights must be contiguous [E, N, K]");
+  Mat m{w.data_ptr(), nullptr, nullptr, nullptr, w.size(1), K, group, kind};
+  switch (kind) {
+    case kF32: TORCH_CHECK(w.scalar_type() == at::kFloat && w.size(2) == K, "f32 weights: bad dtype or K"); break;
+    case kBF16: TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(2) == K, "bf16 weights: bad dtype or K"); break;
+    case kInt8:
+      TORCH_CHECK(w.scalar_type() == at::kChar && w.size(2) == K, "int8 weights: bad dtype or K");
+      TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0) * w.size(1),
+                  "int8 scales must be contiguous f32 [E, N]");
+      m.scale = scale.data_ptr<float>();
+      break;
+    case kInt4:
+      TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) * 2 == K, "int4 weights: bad dtype or K");
+      TORCH_CHECK(group % 32 == 0 && K % group == 0, "int4 group size must be a multiple of 32 dividing K");
+      TORCH_CHECK(scale.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && scale.is_contiguous() &&
+                      mn.is_contiguous() && scale.numel() == w.size(0) * w.size(1) * (K / group) &&
+                      mn.numel() == scale.numel(),
+                  "int4 scales and mins must be contiguous fp16 [E, N, K / group]");
+      m.scale16 = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+      m.min16 = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
+      break;
+    default: TORCH_CHECK(false, "unknown weight kind ", kind);
+  }
+  return m;
+}
+
+// Per-group sums of each row of x [n, K]: the int4 minimum term needs them.
+static void group_sums(const float* x, int64_t n, int64_t K, int64_t group, float* out) {
+  const int64_t groups = K / group;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t j = 0; j < group; ++j) s += x[i * K + g * group + j];
+      out[i * groups + g] = s;
+    }
+}
+
+// out [T, H] f32 = sum over each token's k experts of weight * down(silu(gate x) * up x).
+// scratch: f32 with at least T*k*(I + I/group) + T*H/group elements (group ignored unless int4).
+void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, int64_t kind, int64_t group,
+                 const at::Tensor& gu, const at::Tensor& gu_scale, const at::Tensor& gu_min, const at::Tensor& dn,
+                 const at::Tensor& dn_scale, const at::Tensor& dn_min, at::Tensor& out, at::Tensor& scratch) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous f32 [T, H]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 2 && ids.size(0) == x.size(0),
+              "ids must be contiguous int64 [T, k]");
+  TORCH_CHECK(wts.scalar_type() == at::kFloat && wts.is_contiguous() && wts.sizes() == ids.sizes(),
+              "weights must be contiguous f32 [T, k]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == x.sizes(),
+              "out must be contiguous f32 [T, H]");
+  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), n = T * k;
+  const int64_t E = gu.size(0), I = gu.size(1) / 2;
+  const bool int4 = kind == kInt4;
+  const int64_t g = int4 ? group : 1;
+  const Mat gum = make_mat(kind, gu, gu_scale, gu_min, H, group);
+  const Mat dnm = make_mat(kind, dn, dn_scale, dn_min, I, group);
+  TORCH_CHECK(dn.size(0) == E && dnm.rows == H, "down must be [E, H, I]");
+  const int64_t need = n * I + (int4 ? n * (I / g) + T * (H / g) : 0);
+  TORCH_CHECK(scratch.scalar_type() == at::kFloat && scratch.is_contiguous() && scratch.numel() >= need,
+              "scratch too small");
+
+  // group assignments by expert: a counting sort, stable in token order
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* wt = wts.data_ptr<float>();
+  std::vector<int64_t> begin(E + 1, 0), slot_token(n);
+  std::vector<float> slot_weight(n);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < E, "expert id ", id[i], " out of range [0, ", E, ")");
+    ++begin[id[i] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) begin[e + 1] += begin[e];
+  std::vector<int64_t> cursor(begin.begin(), begin.end() - 1), active;
+  int64_t most = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = cursor[id[i]]++;
+    slot_token[pos] = i / k;
+    slot_weight[pos] = wt[i];
+  }
+  for (int64_t e = 0; e < E; ++e)
+    if (begin[e + 1] > begin[e]) {
+      active.push_back(e);
+      most = std::max(most, begin[e + 1] - begin[e]);
+    }
+
+  float* act = scratch.data_ptr<float>();  // [n, I]
+  float* act_sums = act + n * I;           // [n, I/g]
+  float* x_sums = act_sums + n * (I / g);  // [T, H/g]
+  const float* xp = x.data_ptr<float>();
+  if (int4) group_sums(xp, T, H, g, x_sums);
+  std::vector<const float*> x_rows(n), x_row_sums(n), act_rows(n), act_row_sums(n);
+  for (int64_t s = 0; s < n; ++s) {
+    x_rows[s] = xp + slot_token[s] * H;
+    x_row_sums[s] = x_sums + slot_token[s] * (H / g);
+    act_rows[s] = act + s * I;
+    act_row_sums[s] = act_sums + s * (I / g);
+  }
+  const RowDot row_dot = row_dot_for_isa();
+  const int64_t na = static_cast<int64_t>(active.size());
+
+  // gate_up: rows j and I + j of each active expert give activation j of its tokens
+  at::parallel_for(0, na * I, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> gate(most), up(most);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t e = active[r / I], j = r % I, b = begin[e], c = begin[e + 1] - b;
+      row_dot(gum, e, j, x_rows.data() + b, x_row_sums.data() + b, c, gate.data());
+      row_dot(gum, e, I + j, x_rows.data() + b, x_row_sums.data() + b, c, up.data());
+      for (int64_t s = 0; s < c; ++s) act[(b + s) * I + j] = gate[s] / (1.f + std::exp(-gate[s])) * up[s];
+    }
+  });
+  if (int4) group_sums(act, n, I, g, act_sums);
+
+  // down: each thread owns a range of output columns, so accumulation needs no atomics
+  float* o = out.data_ptr<float>();
+  std::memset(o, 0, sizeof(float) * T * H);
+  at::parallel_for(0, H, 16, [&](int64_t h0, int64_t h1) {
+    std::vector<float> d(most);
+    for (int64_t e : active) {
+      const int64_t b = begin[e], c = begin[e + 1] - b;
+      for (int64_t h = h0; h < h1; ++h) {
+        row_dot(dnm, e, h, act_rows.data() + b, act_row_sums.data() + b, c, d.data());
+        for (int64_t s = 0; s < c; ++s) o[slot_token[b + s] * H + h] += slot_weight[b + s] * d[s];
+      }
+    }
+  });
+}
+
+}  // namespace tandem
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Tandem's fused CPU kernel for routed experts";
+  m.def("moe_forward", &tandem::moe_forward, "fused routed-expert forward into out [T, H]");
+  m.def("set_isa", &tandem::set_isa, "force an instruction set: scalar, avx2 or avx512");
+  m.def("isa", [] { return tandem::g_isa; }, "the instruction set in use");
+  m.def("supported_isas", &tandem::supported_isas, "instruction sets this CPU can run");
+}

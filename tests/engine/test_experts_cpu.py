@@ -1,0 +1,204 @@
+"""CpuExpertExecutor against the torch reference executor, for every storage and kernel.
+
+Two kinds of check, kept apart on purpose:
+- kernel correctness: the executor on quantized weights equals the reference run on the
+  *dequantized* weights (the same numbers), to float32 rounding for the native kernel;
+- quantization error: against the unquantized reference, bounded by what the format can do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.experts import native
+from tandem.experts.base import ExpertWeights
+from tandem.experts.cpu_executor import CpuExpertExecutor
+from tandem.experts.factory import make_expert_executor
+from tandem.experts.quant import dequantize
+from tandem.experts.torch_executor import TorchExpertExecutor
+
+E, H, I, K = 8, 256, 192, 2  # I = 192 is not a multiple of 128, so int4 uses groups of 32 or 64
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def layers():
+    g = torch.Generator().manual_seed(0)
+    # Scaled so activations stay O(1), like a trained model's.
+    return {
+        3: ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5),
+        5: ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5),
+    }
+
+
+@pytest.fixture(scope="module")
+def kernel_module():
+    module = native.load_kernel()
+    if module is None:
+        if native.unavailable_reason() and "TANDEM_EXPERTS_NO_NATIVE" in native.unavailable_reason():
+            pytest.skip("native kernel disabled by TANDEM_EXPERTS_NO_NATIVE=1")
+        pytest.fail(f"native kernel failed to build: {native.unavailable_reason()}")
+    return module
+
+
+def batch(t: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]) if t else torch.empty(0, K).long()
+    weights = torch.rand(t, K, generator=g)
+    return hidden, ids, weights / weights.sum(-1, keepdim=True).clamp_min(1e-6)
+
+
+def dequantized_reference(ex: CpuExpertExecutor, layer: int) -> TorchExpertExecutor:
+    p = ex.layers[layer]
+    return TorchExpertExecutor({layer: ExpertWeights(dequantize(p.gate_up), dequantize(p.down))})
+
+
+# Tokens: 1 (decode), 5 (a tile of 4 plus 1), 40 (above prefill_tokens: the GEMM path).
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_native_equals_reference_on_the_same_weights(layers, kernel_module, quant, tokens):
+    ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2)
+    hidden, ids, weights = batch(tokens)
+    got = ex.forward(5, hidden, ids, weights)
+    want = dequantized_reference(ex, 5).forward(5, hidden, ids, weights)
+    assert got.shape == (tokens, H) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_every_instruction_set_gives_the_same_result(layers, kernel_module, quant):
+    ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2)
+    hidden, ids, weights = batch(6, seed=2)
+    want = dequantized_reference(ex, 3).forward(3, hidden, ids, weights)
+    before = kernel_module.isa()
+    try:
+        for isa in kernel_module.supported_isas():
+            kernel_module.set_isa(isa)
+            got = ex.forward(3, hidden, ids, weights)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=isa)
+    finally:
+        kernel_module.set_isa(before)
+
+
+def test_unknown_instruction_set_is_refused(kernel_module):
+    with pytest.raises(RuntimeError, match="not supported"):
+        kernel_module.set_isa("avx1024")
+
+
+def test_bf16_weights_run_unconverted(layers, kernel_module):
+    bf16 = {3: ExpertWeights(layers[3].gate_up.bfloat16(), layers[3].down.bfloat16())}
+    ex = CpuExpertExecutor(bf16, kernel="native", threads=2)
+    assert ex.layers[3].gate_up.dtype == torch.bfloat16  # streamed as 2 bytes per weight
+    hidden, ids, weights = batch(3)
+    want = TorchExpertExecutor({3: ExpertWeights(bf16[3].gate_up.float(), bf16[3].down.float())})
+    got = ex.forward(3, hidden, ids, weights)
+    torch.testing.assert_close(got, want.forward(3, hidden, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_torch_kernels_match_reference(layers, quant):
+    # torch's int8/int4 GEMV ops take bf16 activations (8-bit mantissa, 0.4% rounding per
+    # element), so this path is checked to 2%, the native kernel to float32 rounding.
+    ex = CpuExpertExecutor(layers, quant=quant, kernel="torch", threads=2)
+    hidden, ids, weights = batch(5)
+    got = ex.forward(3, hidden, ids, weights)
+    want = dequantized_reference(ex, 3).forward(3, hidden, ids, weights)
+    assert rel_err(got, want) < (1e-6 if quant == "none" else 2e-2)
+
+
+# Bounds against the unquantized model, for Gaussian weights (the worst case for a range
+# quantizer: heavy-ish tails stretch the range). int8 per channel: step = max|w|/127, and
+# max|w| over 256 Gaussians is ~3.3 sigma, so the rounding noise is 3.3/127/sqrt(12) = 0.75%
+# of sigma per weight, ~1.3% after two products; bound 3%. int4 groups of 32: the range of
+# 32 Gaussians is ~4 sigma, step 4/15 sigma, noise 7.7% per weight, ~14% after two
+# products; bound 20%. Bigger groups have wider ranges, so more error.
+@pytest.mark.parametrize("quant,bound", [("int8", 0.03), ("int4", 0.20)])
+def test_quantization_error_is_bounded(layers, quant, bound):
+    exact = TorchExpertExecutor(layers)
+    ex = make_expert_executor(layers, quant=quant, threads=2)
+    hidden, ids, weights = batch(16, seed=3)
+    err = rel_err(ex.forward(3, hidden, ids, weights), exact.forward(3, hidden, ids, weights))
+    assert 0 < err < bound
+
+
+def test_int4_error_grows_with_group_size(layers):
+    exact = TorchExpertExecutor(layers)
+    hidden, ids, weights = batch(16, seed=4)
+    want = exact.forward(5, hidden, ids, weights)
+    errs = [rel_err(make_expert_executor(layers, quant="int4", group_size=g).forward(5, hidden, ids, weights), want)
+            for g in (32, 64)]
+    assert errs[0] < errs[1]
+
+
+def test_bf16_hidden_gives_bf16_output(layers):
+    ex = make_expert_executor(layers, threads=2)
+    hidden, ids, weights = batch(2)
+    got = ex.forward(3, hidden.bfloat16(), ids, weights)
+    want = TorchExpertExecutor(layers).forward(3, hidden.bfloat16().float(), ids, weights)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_empty_batch(layers, kernel):
+    ex = make_expert_executor(layers, kernel=kernel, threads=2)
+    hidden, ids, weights = batch(0)
+    assert ex.forward(3, hidden, ids, weights).shape == (0, H)
+
+
+def test_threads_follow_the_argument(layers):
+    before = torch.get_num_threads()
+    try:
+        ex = make_expert_executor(layers, threads=1)
+        assert ex.threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_expert_nbytes_counts_what_decode_reads(layers):
+    f32 = make_expert_executor(layers, quant="none").layers[3].expert_nbytes
+    int8 = make_expert_executor(layers, quant="int8").layers[3].expert_nbytes
+    int4 = make_expert_executor(layers, quant="int4").layers[3].expert_nbytes
+    assert f32 == 3 * H * I * 4
+    assert int8 == 3 * H * I + (2 * I + H) * 4  # a byte per weight plus an f32 scale per row
+    assert int4 == 3 * H * I // 2 + 2 * 2 * (3 * H * I // 32)  # half a byte plus fp16 scale, min per 32
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"quant": "int3"}, "unknown expert quantization"),
+        ({"kernel": "gpu"}, "unknown expert kernel"),
+        ({"threads": 0}, "threads must be a positive integer"),
+        ({"quant": "int4", "group_size": 48}, "group size must be one of"),
+        ({"quant": "int4", "group_size": 128}, "multiple of the group size"),  # I = 192
+    ],
+)
+def test_bad_settings_are_refused(layers, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_expert_executor(layers, **kwargs)
+
+
+def test_mismatched_weights_are_refused():
+    bad = {0: ExpertWeights(torch.randn(4, 2 * I, H), torch.randn(4, H, I + 1))}
+    with pytest.raises(ValueError, match="does not match gate_up"):
+        make_expert_executor(bad)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_bad_batches_are_refused(layers, kernel):
+    ex = make_expert_executor(layers, kernel=kernel, threads=2)
+    hidden, ids, weights = batch(2)
+    with pytest.raises(ValueError, match="no routed experts for layer 4"):
+        ex.forward(4, hidden, ids, weights)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 8\)"):
+        ex.forward(3, hidden, ids + E, weights)
+    with pytest.raises(ValueError, match="hidden must be"):
+        ex.forward(3, hidden[:, :10], ids, weights)
+    with pytest.raises(ValueError, match="must match topk_ids"):
+        ex.forward(3, hidden, ids, weights[:, :1])
