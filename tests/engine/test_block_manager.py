@@ -143,6 +143,29 @@ def test_a_prefix_hit_on_an_idle_block_takes_it_out_of_the_free_queue():
     assert bm.num_free_blocks(DEVICE) == 1
 
 
+def test_allocation_never_evicts_the_cached_blocks_it_is_taking():
+    bm = KVBlockManager(4, 0, BS)
+    a, c = Seq("a", tokens(5)), Seq("c", tokens(5, start=50))
+    prefill(bm, a)  # 0 cached, 1 partial
+    prefill(bm, c)  # 2 cached, 3 partial
+    bm.free(a)
+    bm.free(c)
+    assert bm.allocate_slots(Seq("z", tokens(5, start=500)), 5)  # takes 3 and 1
+    assert bm._pools[DEVICE].free_block_ids() == [0, 2]  # a's cached block is next to go
+    seq = Seq("b", tokens(4) + [7])
+    blocks, cached = bm.get_computed_blocks(seq)
+    assert [b.block_id for b in blocks] == [0]
+    assert bm.allocate_slots(seq, 1, blocks)
+    assert bm.block_table(seq) == [0, 2]
+
+
+def test_free_releases_the_tail_first():
+    bm = KVBlockManager(4, 0, BS)
+    prefill(bm, Seq("a", tokens(12)))  # three full cached blocks
+    bm.free(Seq("a", []))
+    assert bm._pools[DEVICE].free_block_ids() == [3, 2, 1, 0]
+
+
 def test_shared_prefix_refcounts_drop_one_per_free():
     bm = KVBlockManager(16, 0, BS)
     seqs = [Seq(f"s{i}", tokens(8) + [100 + i]) for i in range(3)]

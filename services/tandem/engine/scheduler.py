@@ -1,0 +1,300 @@
+"""Continuous batching: which sequences run each step, and how many of their tokens.
+
+Plain Python, no torch. Every step has a token budget (max_num_batched_tokens) and a seat
+limit (max_num_seqs). Running sequences go first (decodes, then unfinished prefills, which
+continue in chunks), then swapped-out sequences come back if the device tier has room, then
+waiting sequences are admitted in arrival order, reusing cached prefixes. When a running
+sequence cannot get a block, the most recently arrived running sequence is preempted: swapped
+to the CPU tier if it fits there, else freed and re-queued at the front of waiting to be
+recomputed (prompt and outputs re-prefilled; nothing is lost). New work never preempts.
+
+Not thread-safe: the engine calls schedule → run → update from one thread, and abort/finish
+between steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.engine.sampling_params import InvalidRequest
+from tandem.engine.sequence import Sequence, SequenceStatus
+from tandem.kv.block_manager import DEVICE, KVBlockManager
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at max_waiting; the caller should reject the request (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of the scheduler, checked on construction."""
+
+    max_num_seqs: int = 64  # sequences per step
+    max_num_batched_tokens: int = 2048  # tokens computed per step, prefill chunks included
+    max_model_len: int = 4096  # prompt + output tokens of one sequence
+    max_waiting: int = 1024  # queued requests before add() refuses
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"SchedulerConfig.max_model_len must leave room for one output token, "
+                             f"got {self.max_model_len}")
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's work this step: compute token_ids at positions start_pos.. with block_table."""
+
+    seq: Sequence
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]  # device block ids covering start_pos + len(token_ids) slots
+    sample: bool  # the chunk reaches the last known token: sample a new one from its logits
+
+    @property
+    def is_decode(self) -> bool:
+        return self.sample and len(self.token_ids) == 1
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner must do this step.
+
+    Order of work: copy `swap_out` blocks (device -> CPU) first, then `swap_in` blocks
+    (CPU -> device; they may land in blocks just swapped out), then run `scheduled`.
+    """
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_id, device_id)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_id, cpu_id)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.swap_in or self.swap_out)
+
+
+class Scheduler:
+    """Owns the waiting, running and swapped queues and the block manager's per-sequence use."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager, eos_token_ids: set[int]):
+        capacity = block_manager.num_total_blocks(DEVICE) * block_manager.block_size
+        if capacity < config.max_model_len:
+            # Otherwise a long sequence alone could outgrow the device tier and never finish.
+            raise ValueError(f"the device KV tier holds {capacity} tokens, fewer than max_model_len="
+                             f"{config.max_model_len}; lower max_model_len or give the KV cache more blocks")
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # in arrival order
+        self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
+
+    # queue
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request. Raises InvalidRequest for requests that can never run, QueueFull when full."""
+        if seq.request_id in self._seqs:
+            raise InvalidRequest("request_id", f"{seq.request_id!r} is already in use")
+        if seq.num_prompt_tokens >= self.config.max_model_len:
+            raise InvalidRequest("prompt", f"{seq.num_prompt_tokens} tokens leave no room to generate "
+                                           f"within max_model_len={self.config.max_model_len}")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.output_token_ids:
+            raise InvalidRequest("request_id", f"{seq.request_id!r} is not a new request")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting={self.config.max_waiting})")
+        self.waiting.append(seq)
+        self._seqs[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Cancel a request and free its blocks now. None if it is unknown or already finished."""
+        return self.finish(request_id, "cancelled")
+
+    def finish(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> Sequence | None:
+        """End a request with `reason` (e.g. "stop" when the engine sees a stop string)."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {FINISH_REASONS}, got {reason!r}")
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        self._retire(seq, reason, stop_reason)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    # schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Changes queues and block tables, not token counts (see update)."""
+        step = _Step(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.out.preempted:
+            self._schedule_swapped(step)
+            if not self.swapped:
+                self._schedule_waiting(step)
+        return step.finish()
+
+    def _schedule_running(self, step: _Step) -> None:
+        # decodes first: they are latency bound, and each costs one token of the budget
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.arrival))
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+            if num_new <= 0:
+                continue  # budget spent; it stays running and goes next step
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self._preempt(victim, step)
+                if victim is seq:
+                    break
+            else:
+                step.add(seq, num_new, self.block_manager.block_table(seq))
+
+    def _schedule_swapped(self, step: _Step) -> None:
+        while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+            if not self.block_manager.can_swap_in(seq, num_new):
+                return
+            step.out.swap_in += self.block_manager.swap_in(seq)
+            if not self.block_manager.allocate_slots(seq, num_new):
+                raise RuntimeError("block manager refused slots that can_swap_in promised")
+            self.swapped.pop(0)
+            self._run(seq)
+            step.add(seq, num_new, self.block_manager.block_table(seq))
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+            num_new = min(seq.num_tokens - num_cached, step.budget)
+            if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
+                return  # first come, first served: later requests do not jump ahead
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            self._run(seq)
+            step.add(seq, num_new, self.block_manager.block_table(seq))
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        self.running.remove(seq)
+        step.drop(seq)
+        seq.num_preemptions += 1
+        step.out.preempted.append(seq)
+        pairs = self.block_manager.swap_out(seq)
+        if pairs is not None:
+            step.out.swap_out += pairs
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.swapped.sort(key=lambda s: s.arrival)
+        else:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    # update
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Account for a finished step: advance progress, append sampled tokens, apply token stops.
+
+        `sampled` maps request_id to the token sampled for every scheduled chunk with sample=True.
+        Returns the sequences that got a token or finished, in scheduled order.
+        """
+        changed = []
+        for work in output.scheduled:
+            seq = work.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or finished between schedule and update
+            seq.num_computed_tokens = work.start_pos + len(work.token_ids)
+            if not work.sample:
+                self.block_manager.cache_full_blocks(seq)
+                continue
+            if seq.request_id not in sampled:
+                raise KeyError(f"no sampled token for request {seq.request_id!r}")
+            token = sampled[seq.request_id]
+            seq.output_token_ids.append(token)
+            self.block_manager.cache_full_blocks(seq)
+            reason, stop_reason = self._check_stop(seq, token)
+            if reason is not None:
+                self._retire(seq, reason, stop_reason)
+            changed.append(seq)
+        return changed
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        params = seq.params
+        if token in params.stop_token_ids:
+            return "stop", token
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop", token
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None, None
+
+    def _retire(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        del self._seqs[seq.request_id]
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+
+class _Step:
+    """The output being built for one step and the token budget it has left."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.out = SchedulerOutput()
+        self._by_id: dict[str, ScheduledSeq] = {}
+
+    def add(self, seq: Sequence, num_new: int, block_table: list[int]) -> None:
+        start = seq.num_computed_tokens
+        work = ScheduledSeq(seq, seq.token_ids(start, start + num_new), start, block_table,
+                            sample=start + num_new == seq.num_tokens)
+        self._by_id[seq.request_id] = work
+        self.budget -= num_new
+
+    def drop(self, seq: Sequence) -> None:
+        """Unschedule a sequence preempted after it got its slots this step."""
+        work = self._by_id.pop(seq.request_id, None)
+        if work is not None:
+            self.budget += len(work.token_ids)
+
+    def finish(self) -> SchedulerOutput:
+        work = list(self._by_id.values())
+        self.out.scheduled = [w for w in work if w.is_decode] + [w for w in work if not w.is_decode]
+        self.out.num_batched_tokens = sum(len(w.token_ids) for w in work)
+        return self.out

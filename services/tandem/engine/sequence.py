@@ -1,0 +1,84 @@
+"""One request's tokens and progress as the scheduler sees it. Plain Python, no torch."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from tandem.engine.sampling_params import InvalidRequest, SamplingParams
+
+_arrivals = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued: not started, or preempted to be recomputed
+    RUNNING = "running"  # its KV is on the device tier
+    SWAPPED = "swapped"  # preempted, its KV parked on the CPU tier
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt and the tokens generated for it so far.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache; the scheduler advances it.
+    `arrival` orders requests (earlier arrivals are preempted last).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+
+    def __post_init__(self):
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidRequest("request_id", "must be a non-empty string")
+        tokens = list(self.prompt_token_ids)
+        if not tokens:
+            raise InvalidRequest("prompt", "must contain at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
+            raise InvalidRequest("prompt", "token ids must be non-negative integers")
+        self.prompt_token_ids = tokens
+        if not isinstance(self.params, SamplingParams):
+            raise InvalidRequest("params", f"must be SamplingParams, got {type(self.params).__name__}")
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]

@@ -1,0 +1,407 @@
+"""The continuous-batching scheduler, driven by a fake model that stores tokens as its 'KV'.
+
+The fake model writes each computed token into the slot its block table names, copies blocks
+when told to swap, and checks before every chunk that the slots it would attend to hold exactly
+the sequence's earlier tokens. Its next token is a function of that context, so a run with
+preemptions must produce the same outputs as a run with room to spare.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.sampling_params import InvalidRequest, SamplingParams
+from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerOutput
+from tandem.engine.sequence import Sequence, SequenceStatus
+from tandem.kv.block_manager import CPU, DEVICE, KVBlockManager
+
+BS = 4
+EOS = 0
+
+
+class FakeModel:
+    """Token storage shaped like the KV cache: tier -> block id -> block_size slots."""
+
+    def __init__(self, bm: KVBlockManager):
+        self.bm = bm
+        self.kv = {tier: {i: [None] * BS for i in range(bm.num_total_blocks(tier))} for tier in (DEVICE, CPU)}
+
+    def run(self, out: SchedulerOutput) -> dict[str, int]:
+        for device_id, cpu_id in out.swap_out:  # swap-outs first: swap-ins may reuse these blocks
+            self.kv[CPU][cpu_id] = list(self.kv[DEVICE][device_id])
+        for cpu_id, device_id in out.swap_in:
+            self.kv[DEVICE][device_id] = list(self.kv[CPU][cpu_id])
+        sampled = {}
+        for work in out.scheduled:
+            seq, table = work.seq, work.block_table
+            assert len(table) * BS >= work.start_pos + len(work.token_ids)
+            context = [self.kv[DEVICE][table[p // BS]][p % BS] for p in range(work.start_pos)]
+            assert context == seq.all_token_ids[:work.start_pos], "KV lost or corrupted"
+            for p, token in enumerate(work.token_ids, start=work.start_pos):
+                block = table[p // BS]
+                assert self.bm._pools[DEVICE].blocks[block].ref_count == 1, "wrote into a shared block"
+                self.kv[DEVICE][block][p % BS] = token
+            if work.sample:
+                sampled[seq.request_id] = next_token(context + work.token_ids)
+        return sampled
+
+
+def next_token(context: list[int]) -> int:
+    """A deterministic 'model': never EOS, depends on the whole context."""
+    return (sum(context) * 31 + len(context)) % 97 + 1
+
+
+def make(num_device=64, num_cpu=0, caching=True, **config) -> tuple[Scheduler, FakeModel]:
+    bm = KVBlockManager(num_device, num_cpu, BS, enable_prefix_caching=caching)
+    config.setdefault("max_model_len", min(4096, num_device * BS))
+    return Scheduler(SchedulerConfig(**config), bm, {EOS}), FakeModel(bm)
+
+
+def seq(rid: str, prompt: list[int] | int, **params) -> Sequence:
+    if isinstance(prompt, int):
+        prompt = [(sum(map(ord, rid)) + i) % 50 + 1 for i in range(prompt)]
+    return Sequence(rid, prompt, SamplingParams(**params))
+
+
+def step(sched: Scheduler, model: FakeModel) -> tuple[SchedulerOutput, list[Sequence]]:
+    out = sched.schedule()
+    assert out.num_batched_tokens == sum(len(w.token_ids) for w in out.scheduled)
+    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+    assert len(out.scheduled) <= sched.config.max_num_seqs
+    return out, sched.update(out, model.run(out))
+
+
+def run_all(sched: Scheduler, model: FakeModel, max_steps: int = 500) -> list[SchedulerOutput]:
+    outs = []
+    while sched.has_unfinished():
+        assert len(outs) < max_steps, "no progress"
+        outs.append(step(sched, model)[0])
+    return outs
+
+
+def assert_all_free(sched: Scheduler) -> None:
+    bm = sched.block_manager
+    for tier in (DEVICE, CPU):
+        assert bm.num_free_blocks(tier) == bm.num_total_blocks(tier)
+        assert all(b.ref_count == 0 for b in bm._pools[tier].blocks)
+
+
+def reference_outputs(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    sched, model = make(num_device=256)
+    seqs = [seq(rid, p, max_tokens=max_tokens) for rid, p in prompts.items()]
+    for s in seqs:
+        sched.add(s)
+    run_all(sched, model)
+    return {s.request_id: s.output_token_ids for s in seqs}
+
+
+def test_budget_is_respected_and_prefill_is_chunked():
+    sched, model = make(max_num_batched_tokens=16)
+    a, b, c = seq("a", 10), seq("b", 10), seq("c", 10)
+    for s in (a, b, c):
+        sched.add(s)
+    out, _ = step(sched, model)
+    assert [(w.seq.request_id, w.start_pos, len(w.token_ids), w.sample) for w in out.scheduled] == [
+        ("a", 0, 10, True), ("b", 0, 6, False)]
+    assert out.num_batched_tokens == 16
+    assert (sched.num_running, sched.num_waiting) == (2, 1)
+    assert b.num_computed_tokens == 6 and b.num_output_tokens == 0
+
+
+def test_a_long_prompt_is_prefilled_chunk_by_chunk():
+    sched, model = make(max_num_batched_tokens=8)
+    s = seq("a", 21, max_tokens=2)
+    sched.add(s)
+    chunks = []
+    for _ in range(3):
+        out, changed = step(sched, model)
+        (work,) = out.scheduled
+        chunks.append((work.start_pos, work.token_ids, work.sample))
+        assert changed == ([s] if work.sample else [])
+    assert chunks == [(0, s.prompt_token_ids[0:8], False), (8, s.prompt_token_ids[8:16], False),
+                      (16, s.prompt_token_ids[16:21], True)]
+    assert s.num_output_tokens == 1
+
+
+def test_decodes_and_a_prefill_share_a_step_decodes_first():
+    sched, model = make(max_num_batched_tokens=8)
+    a = seq("a", 5, max_tokens=10)
+    sched.add(a)
+    step(sched, model)
+    b = seq("b", 20)
+    sched.add(b)
+    out, changed = step(sched, model)
+    assert [(w.seq.request_id, len(w.token_ids)) for w in out.scheduled] == [("a", 1), ("b", 7)]
+    assert out.scheduled[0].is_decode and out.scheduled[0].token_ids == [a.output_token_ids[0]]
+    assert changed == [a]
+
+
+def test_running_decodes_are_budgeted_before_a_running_prefill():
+    sched, model = make(max_num_batched_tokens=6)
+    short, long = seq("short", 3, max_tokens=20), seq("long", 30)
+    sched.add(short)
+    step(sched, model)
+    # An older sequence (as a recomputed one can be) prefilling beside a younger decode.
+    long.arrival = short.arrival - 1
+    sched.add(long)
+    step(sched, model)
+    out, _ = step(sched, model)
+    assert [(w.seq, len(w.token_ids)) for w in out.scheduled] == [(short, 1), (long, 5)]
+
+
+def test_sequences_join_and_leave_every_step():
+    sched, model = make(max_num_batched_tokens=32)
+    seqs = [seq(f"r{i}", 3 + i % 5, max_tokens=1 + i % 4) for i in range(12)]
+    active = []
+    for s in seqs:
+        sched.add(s)
+        out, changed = step(sched, model)
+        active.append({w.seq.request_id for w in out.scheduled})
+        assert s in [w.seq for w in out.scheduled]  # joins the step it arrives
+    run_all(sched, model)
+    assert all(s.finish_reason == "length" and s.num_output_tokens == s.params.max_tokens for s in seqs)
+    assert "r0" not in active[-1]  # left long before
+    assert_all_free(sched)
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched, model = make(max_num_seqs=2)
+    for i in range(4):
+        sched.add(seq(f"r{i}", 3, max_tokens=3))
+    out, _ = step(sched, model)
+    assert len(out.scheduled) == 2 and sched.num_waiting == 2
+    run_all(sched, model)
+    assert_all_free(sched)
+
+
+def test_preemption_by_swap_keeps_every_token():
+    prompts = {f"r{i}": [(7 * i + j) % 40 + 1 for j in range(6)] for i in range(3)}
+    expected = reference_outputs(prompts, max_tokens=12)
+    sched, model = make(num_device=10, num_cpu=16)  # three sequences of 18 tokens need 15 blocks
+    seqs = [seq(rid, p, max_tokens=12) for rid, p in prompts.items()]
+    for s in seqs:
+        sched.add(s)
+    outs = run_all(sched, model)
+    swapped_out = [s for o in outs for s in o.preempted]
+    assert swapped_out and seqs[0] not in swapped_out  # the oldest is never the victim
+    assert any(o.swap_out for o in outs) and any(o.swap_in for o in outs)
+    assert {s.request_id: s.output_token_ids for s in seqs} == expected
+    assert_all_free(sched)
+
+
+def test_preemption_victim_is_swapped_and_state_is_consistent():
+    sched, model = make(num_device=4, num_cpu=8)
+    a, b = seq("a", 8, max_tokens=20), seq("b", 8, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    step(sched, model)  # both prefilled: 2 blocks each, device full
+    b_table = sched.block_manager.block_table(b)
+    out, _ = step(sched, model)  # both need a third block on this decode
+    assert out.preempted == [b] and b.status is SequenceStatus.SWAPPED
+    assert [d for d, _ in out.swap_out] == b_table
+    assert [c for _, c in out.swap_out] == sched.block_manager.block_table(b)
+    assert [w.seq for w in out.scheduled] == [a]
+    assert sched.block_manager.tier_of(b) == CPU and sched.num_swapped == 1
+    assert b.num_computed_tokens == 8 and b.num_output_tokens == 1
+
+
+def test_preemption_by_recompute_when_the_cpu_tier_is_full():
+    prompts = {f"r{i}": [(5 * i + j) % 30 + 1 for j in range(6)] for i in range(3)}
+    expected = reference_outputs(prompts, max_tokens=12)
+    sched, model = make(num_device=10, num_cpu=0)
+    seqs = [seq(rid, p, max_tokens=12) for rid, p in prompts.items()]
+    for s in seqs:
+        sched.add(s)
+    recomputed = []
+    while sched.has_unfinished():
+        out, _ = step(sched, model)
+        assert not out.swap_out
+        for victim in out.preempted:
+            assert victim.status is SequenceStatus.WAITING and victim.num_computed_tokens == 0
+            assert sched.waiting[0] is victim and sched.block_manager.block_table(victim) == []
+            recomputed.append(victim)
+    assert recomputed
+    assert {s.request_id: s.output_token_ids for s in seqs} == expected
+    assert_all_free(sched)
+
+
+def test_a_recomputed_sequence_reprefills_prompt_and_outputs():
+    sched, model = make(num_device=4, num_cpu=0, caching=False)
+    a, b = seq("a", 8, max_tokens=20), seq("b", 8, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    step(sched, model)
+    out, _ = step(sched, model)
+    assert out.preempted == [b]
+    known = b.all_token_ids
+    while b.status is not SequenceStatus.RUNNING:
+        out, _ = step(sched, model)
+    work = next(w for w in out.scheduled if w.seq is b)
+    assert work.start_pos == 0 and work.token_ids == known and work.sample
+    assert b.num_output_tokens == 2
+
+
+def test_a_sequence_preempted_after_it_was_scheduled_leaves_the_step():
+    sched, model = make(num_device=4, num_cpu=8, max_num_batched_tokens=8)
+    short, long = seq("short", 4, max_tokens=10), seq("long", 12, max_tokens=3)
+    sched.add(short)
+    step(sched, model)
+    long.arrival = short.arrival - 1  # older, so the younger decode is the victim
+    sched.add(long)
+    step(sched, model)  # short decodes, long prefills 7: all four blocks used
+    short_table = sched.block_manager.block_table(short)
+    out, _ = step(sched, model)  # short decodes first, then long needs a block
+    assert out.preempted == [short] and [d for d, _ in out.swap_out] == short_table
+    assert [(w.seq, len(w.token_ids)) for w in out.scheduled] == [(long, 5)]
+    assert out.num_batched_tokens == 5
+    run_all(sched, model)
+    assert short.num_output_tokens == 10 and long.num_output_tokens == 3
+    assert_all_free(sched)
+
+
+def test_a_recomputed_sequence_reuses_its_cached_prefix_without_reporting_it():
+    sched, model = make(num_device=4, num_cpu=0)
+    a, b = seq("a", 8, max_tokens=2), seq("b", 8, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    step(sched, model)
+    out, _ = step(sched, model)  # b freed; a's new block evicts b's tail, b's first block stays cached
+    assert out.preempted == [b]
+    while b.status is not SequenceStatus.RUNNING:
+        out, _ = step(sched, model)
+    work = next(w for w in out.scheduled if w.seq is b)
+    assert work.start_pos == BS and sched.block_manager.prefix_cache_hit_tokens == BS
+    assert b.num_cached_tokens == 0  # what the user is told: no hit on first admission
+    run_all(sched, model)
+    assert_all_free(sched)
+
+
+def test_new_work_never_preempts_running_sequences():
+    sched, model = make(num_device=4, num_cpu=8)
+    a = seq("a", 14, max_tokens=2)  # 4 blocks: the whole device tier
+    sched.add(a)
+    step(sched, model)
+    sched.add(seq("b", 3))
+    out, _ = step(sched, model)
+    assert not out.preempted and [w.seq for w in out.scheduled] == [a]
+    assert sched.num_waiting == 1
+
+
+def test_abort_frees_blocks_at_once_in_every_queue():
+    sched, model = make(num_device=6, num_cpu=8, max_num_seqs=8)
+    running, swapped = seq("run", 10, max_tokens=50), seq("swap", 10, max_tokens=50)
+    sched.add(running)
+    sched.add(swapped)
+    step(sched, model)
+    step(sched, model)
+    while swapped.status is not SequenceStatus.SWAPPED:
+        step(sched, model)
+    waiting = seq("wait", 3)
+    sched.add(waiting)
+    bm = sched.block_manager
+    assert sched.abort("swap") is swapped and bm.num_used_blocks(CPU) == 0
+    assert sched.abort("run") is running and bm.num_used_blocks(DEVICE) == 0
+    assert sched.abort("wait") is waiting and not sched.has_unfinished()
+    for s in (running, swapped, waiting):
+        assert s.status is SequenceStatus.FINISHED and s.finish_reason == "cancelled"
+    assert sched.abort("run") is None and sched.abort("nobody") is None
+
+
+def test_abort_between_schedule_and_update_is_ignored_by_update():
+    sched, model = make()
+    a, b = seq("a", 5), seq("b", 5)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    sampled = model.run(out)
+    sched.abort("a")
+    changed = sched.update(out, sampled)
+    assert changed == [b] and a.num_output_tokens == 0
+
+
+@pytest.mark.parametrize("params, tokens, reason, stop_reason, n", [
+    (dict(max_tokens=3), [5, 6, 7, 8], "length", None, 3),
+    (dict(max_tokens=9), [5, EOS, 7], "stop", EOS, 2),
+    (dict(max_tokens=4, ignore_eos=True), [EOS, EOS, EOS, EOS, EOS], "length", None, 4),
+    (dict(max_tokens=9, stop_token_ids=(42,)), [5, 42, 7], "stop", 42, 2),
+])
+def test_token_stops_set_finish_reasons(params, tokens, reason, stop_reason, n):
+    sched, _ = make()
+    s = seq("a", 3, **params)
+    sched.add(s)
+    for token in tokens:
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        sched.update(out, {"a": token})
+    assert (s.finish_reason, s.stop_reason, s.num_output_tokens) == (reason, stop_reason, n)
+    assert s.output_token_ids == tokens[:n] and s.is_finished
+    assert_all_free(sched)
+
+
+def test_max_model_len_ends_a_sequence_with_length():
+    sched, model = make(max_model_len=8)
+    s = seq("a", 5, max_tokens=100)
+    sched.add(s)
+    run_all(sched, model)
+    assert s.finish_reason == "length" and s.num_tokens == 8
+
+
+def test_finish_is_how_the_engine_applies_stop_strings():
+    sched, model = make()
+    s = seq("a", 5, max_tokens=10)
+    sched.add(s)
+    step(sched, model)
+    assert sched.finish("a", "stop", stop_reason="\n\n") is s
+    assert (s.finish_reason, s.stop_reason) == ("stop", "\n\n")
+    assert_all_free(sched)
+    with pytest.raises(ValueError, match="finish reason"):
+        sched.finish("a", "done")
+
+
+def test_prefix_cache_hit_skips_prefill_tokens():
+    sched, model = make(max_num_batched_tokens=64)
+    prompt = [(3 * i) % 50 + 1 for i in range(18)]
+    first = seq("first", prompt, max_tokens=2)
+    sched.add(first)
+    run_all(sched, model)
+    second = seq("second", prompt[:16] + [9, 9], max_tokens=2)
+    sched.add(second)
+    out, _ = step(sched, model)
+    (work,) = out.scheduled
+    assert second.num_cached_tokens == 16 and work.start_pos == 16 and work.token_ids == [9, 9]
+    assert sched.block_manager.prefix_cache_hit_tokens == 16
+    same = seq("same", prompt, max_tokens=2)
+    sched.add(same)
+    out, _ = step(sched, model)
+    work = next(w for w in out.scheduled if w.seq is same)
+    assert same.num_cached_tokens == 16 and work.token_ids == prompt[16:]
+    assert first.num_cached_tokens == 0
+
+
+def test_bad_configuration_and_requests_raise_clear_errors():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens="2048")
+    with pytest.raises(ValueError, match="max_model_len"):
+        Scheduler(SchedulerConfig(max_model_len=100), KVBlockManager(4, 0, BS), {EOS})
+    sched, _ = make(max_model_len=8, max_waiting=2)
+    with pytest.raises(InvalidRequest, match="max_model_len"):
+        sched.add(seq("long", 8))
+    sched.add(seq("a", 3))
+    with pytest.raises(InvalidRequest, match="already in use"):
+        sched.add(seq("a", 3))
+    sched.add(seq("b", 3))
+    with pytest.raises(QueueFull):
+        sched.add(seq("c", 3))
+    with pytest.raises(InvalidRequest, match="prompt"):
+        Sequence("x", [])
+
+
+def test_a_missing_sampled_token_is_an_error():
+    sched, _ = make()
+    sched.add(seq("a", 3))
+    out = sched.schedule()
+    with pytest.raises(KeyError, match="'a'"):
+        sched.update(out, {})
