@@ -31,5 +31,6 @@ ENV PATH=/opt/operator/bin:$PATH \
 USER 10001:10001
 # kopf's liveness endpoint (the chart's operator.healthPort).
 EXPOSE 8080
-ENTRYPOINT ["kopf", "run"]
-CMD ["--standalone", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz", "--module=tandem_operator"]
+# `tandem-operator` is `kopf run --module=tandem_operator`; the chart passes its own arguments.
+ENTRYPOINT ["tandem-operator"]
+CMD ["--standalone", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]

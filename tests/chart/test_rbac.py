@@ -7,15 +7,20 @@ import pytest
 from conftest import NON_DEFAULT_VALUES, by_kind, one, render_objects
 
 # (API group, resource, verb) the operator needs in each namespace it watches.
+# Read from operator/tandem_operator: kube.get/create/patch/delete and list_labelled calls, the
+# kopf handlers (on.event watches children and pods; timers and the finalizer patch the model),
+# kopf.warn/info (Events), status_store (status subresource).
+CHILD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
 OPERATOR_NEEDS = {
     *{("tandem.dev", "hybridmodels", verb) for verb in ("get", "list", "watch", "patch")},
-    *{("tandem.dev", "hybridmodels/status", verb) for verb in ("get", "patch")},
-    *{("apps", "deployments", verb) for verb in ("get", "list", "watch", "create", "patch")},
-    *{("", "services", verb) for verb in ("get", "list", "watch", "create", "patch")},
-    *{("policy", "poddisruptionbudgets", verb) for verb in ("get", "list", "watch", "create", "patch")},
-    *{("", "pods", verb) for verb in ("get", "list", "watch")},
+    ("tandem.dev", "hybridmodels/status", "patch"),
+    *{("apps", "deployments", verb) for verb in CHILD_VERBS},
+    *{("", "services", verb) for verb in CHILD_VERBS},
+    *{("policy", "poddisruptionbudgets", verb) for verb in CHILD_VERBS},
+    *{("", "pods", verb) for verb in ("list", "watch")},
     ("", "events", "create"),
 }
+CHILDREN = {"deployments", "services", "poddisruptionbudgets"}
 # kopf watches CRDs to notice resources appearing; named namespaces are watched too.
 KOPF_CLUSTER_NEEDS = {("apiextensions.k8s.io", "customresourcedefinitions", verb) for verb in ("list", "watch")}
 KOPF_NAMESPACE_OBSERVER = {("", "namespaces", verb) for verb in ("list", "watch")}
@@ -39,7 +44,8 @@ def test_no_wildcards_and_no_write_beyond_children(chart, values):
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field] and all("*" not in item for item in rule[field])
         for group, resource, verb in grants(role):
-            assert verb not in ("delete", "deletecollection", "escalate", "bind", "impersonate"), (resource, verb)
+            assert verb not in ("deletecollection", "escalate", "bind", "impersonate", "update"), (resource, verb)
+            assert verb != "delete" or resource in CHILDREN, (resource, verb)
             assert resource not in ("secrets", "configmaps", "nodes", "pods/exec", "pods/proxy")
 
 
@@ -67,6 +73,16 @@ def test_namespaced_mode_grants_children_only_in_watched_namespaces(chart):
         assert binding["roleRef"]["kind"] == "Role"
         assert binding["roleRef"]["name"] == role["metadata"]["name"]
         assert binding["subjects"][0]["namespace"] == "tandem-system"
+
+
+def test_operator_children_and_watches_are_covered():
+    # The resources the operator's own code names must all be granted (and nothing else).
+    handlers = pytest.importorskip("tandem_operator.handlers")
+    kube = pytest.importorskip("tandem_operator.kube")
+    watched = {(group, plural) for group, _, plural in handlers.CHILD_RESOURCES}
+    touched = {(r.group, r.plural) for r in kube.BY_KIND.values()}
+    granted = {(group, resource) for group, resource, _ in OPERATOR_NEEDS}
+    assert watched | touched | {(kube.HYBRIDMODELS.group, "hybridmodels/status"), ("", "events")} == granted
 
 
 def test_rbac_can_be_left_out(chart):

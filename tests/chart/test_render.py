@@ -31,9 +31,9 @@ def test_operator_deployment_runs_kopf_standalone_clusterwide(chart):
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == f"ghcr.io/tandem-llm/tandem-operator:{chart.metadata['appVersion']}"
-    assert container["command"] == ["kopf", "run"]
+    assert container["command"] == ["tandem-operator"]
     args = container["args"]
-    assert {"--standalone", "--all-namespaces", "--module=tandem_operator"} <= set(args)
+    assert {"--standalone", "--all-namespaces"} <= set(args)
     assert not [arg for arg in args if arg.startswith("--namespace")]
     assert pod["serviceAccountName"] == one(render_objects(chart), "ServiceAccount")["metadata"]["name"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -43,9 +43,27 @@ def test_operator_deployment_runs_kopf_standalone_clusterwide(chart):
     assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
 
 
-def test_operator_module_exists_for_kopf():
-    # `--module=tandem_operator` must import; the operator image installs this package.
-    pytest.importorskip("tandem_operator")
+@pytest.mark.parametrize("values", [{}, *NON_DEFAULT_VALUES.values()],
+                         ids=["default", *NON_DEFAULT_VALUES])
+def test_operator_arguments_parse_as_tandem_operator_options(chart, values):
+    # tandem-operator is `kopf run --module=tandem_operator ARGS`: parse ARGS with kopf's own
+    # command-line parser, without running it.
+    kopf_cli = pytest.importorskip("kopf.cli")
+    container = one(render_objects(chart, values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["tandem-operator"]
+    context = kopf_cli.run.make_context("run", ["--module=tandem_operator", *container["args"]])
+    assert context.params["standalone"] is True
+    assert context.params["liveness_endpoint"].endswith(":8080/healthz")
+    assert context.params["clusterwide"] == (not values.get("operator", {}).get("watchNamespaces"))
+
+
+def test_operator_intervals_reach_the_operator(chart):
+    handlers = pytest.importorskip("tandem_operator.handlers")
+    values = {"operator": {"autoscaleIntervalSeconds": 30, "resyncIntervalSeconds": 600}}
+    container = one(render_objects(chart, values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    assert env[handlers.AUTOSCALE_INTERVAL_ENV] == "30"
+    assert env[handlers.RESYNC_INTERVAL_ENV] == "600"
 
 
 def test_watch_namespaces_become_kopf_flags(chart):
@@ -66,7 +84,7 @@ def test_everything_on(chart):
     assert container["image"] == "registry.example.com/tandem/operator@sha256:" + "a" * 64
     assert container["imagePullPolicy"] == "Always"
     assert "--quiet" in container["args"]
-    assert [env["name"] for env in container["env"]] == ["POD_NAMESPACE", "TANDEM_PROMETHEUS_URL", "NODE"]
+    assert [env["name"] for env in container["env"]][-2:] == ["TANDEM_PROMETHEUS_URL", "NODE"]
     assert pod["serviceAccountName"] == "tandem-sa"
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["priorityClassName"] == "system-cluster-critical"

@@ -1,5 +1,5 @@
 {{/*
-Arguments of `kopf run` for the operator container, one YAML list item per line.
+Arguments of `tandem-operator` (which is `kopf run --module=tandem_operator`), one YAML list item per line.
 */}}
 {{- define "tandem.operatorArgs" -}}
 - --standalone
@@ -19,5 +19,4 @@ Arguments of `kopf run` for the operator container, one YAML list item per line.
 {{- else if eq .Values.operator.logLevel "debug" }}
 - --debug
 {{- end }}
-- --module=tandem_operator
 {{- end }}

@@ -27,29 +27,31 @@ created or deleted (cluster-wide it watches objects across all namespaces instea
 What the operator does to HybridModels and their children, in the namespaces it watches.
 */}}
 {{- define "tandem.rbac.operatorRules" -}}
-# HybridModels: watched; patched for kopf's finalizer and progress annotations.
+# HybridModels: watched; patched for kopf's finalizer and bookkeeping annotations, and for
+# spec.replicas by the autoscaler.
 - apiGroups: ["tandem.dev"]
   resources: ["hybridmodels"]
   verbs: ["get", "list", "watch", "patch"]
-# Replicas, conditions and observed latency are reported in the status subresource.
+# Phase, replicas, conditions and the measured latency go to the status subresource.
 - apiGroups: ["tandem.dev"]
   resources: ["hybridmodels/status"]
-  verbs: ["get", "patch"]
-# Children: created, and patched back when they drift. Owner references delete them.
+  verbs: ["patch"]
+# Children: watched for drift, created, patched back when they drift, and deleted with their
+# HybridModel (owner references would also let the garbage collector do it, later).
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "patch"]
-# Model-server pods are read to find their addresses and scrape decode latency.
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Model-server pods are listed for readiness and their addresses, to scrape decode latency.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
-# Progress and errors are reported as Events on the HybridModel.
+  verbs: ["list", "watch"]
+# Warnings, repairs and scaling decisions are reported as Events on the HybridModel.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

@@ -1,0 +1,119 @@
+"""examples/ are valid HybridModels: they pass the CRD's openAPIV3Schema (converted to JSON
+Schema), the operator's own spec parser, and the objects the operator would build from them
+pass strict Kubernetes validation. Bad specs are rejected."""
+
+from __future__ import annotations
+
+import copy
+
+import jsonschema
+import pytest
+import yaml
+from kubernetes_validate import utils as kv
+
+from conftest import CRD_SOURCE, EXAMPLES_DIR, load_example, load_hack
+
+crd_schema = load_hack("crd_schema")
+CRD = yaml.safe_load(CRD_SOURCE.read_text())
+SCHEMA = crd_schema.to_json_schema(crd_schema.crd_version_schema(CRD, "v1alpha1"))
+VALIDATOR = jsonschema.Draft7Validator(SCHEMA)
+EXAMPLES = sorted(path.name for path in EXAMPLES_DIR.glob("*.yaml"))
+
+
+def test_the_two_examples_exist():
+    assert {"mixtral-8x7b.yaml", "deepseek-r1.yaml"} <= set(EXAMPLES)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_matches_the_crd_schema(name):
+    example = load_example(name)
+    assert example["apiVersion"] == f"{CRD['spec']['group']}/v1alpha1"
+    assert example["kind"] == CRD["spec"]["names"]["kind"]
+    VALIDATOR.validate(example)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_is_commented(name):
+    text = (EXAMPLES_DIR / name).read_text()
+    comments = [line for line in text.splitlines() if line.lstrip().startswith("#")]
+    assert len(comments) >= 10
+
+
+@pytest.mark.parametrize("version", ["1.28.0", kv.latest_version()])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_operator_builds_valid_objects_from_example(name, version):
+    spec_module = pytest.importorskip("tandem_operator.spec")
+    children = pytest.importorskip("tandem_operator.children")
+    example = load_example(name)
+    spec = spec_module.parse_spec(example["spec"])
+    objects = children.build_children(spec, example["metadata"]["name"], "models")
+    assert {obj["kind"] for obj in objects} >= {"Deployment", "Service"}
+    for obj in objects:
+        kv.validate(obj, version, strict=True)
+
+
+def mutate(path: str, value):
+    """A copy of the Mixtral example with `value` at dotted `path` (None deletes the key)."""
+    example = copy.deepcopy(load_example("mixtral-8x7b.yaml"))
+    *parents, last = path.split(".")
+    node = example
+    for key in parents:
+        node = node[key]
+    if value is None:
+        del node[last]
+    else:
+        node[last] = value
+    return example
+
+
+BAD_SPECS = {
+    "no spec": ("spec", None),
+    "no image": ("spec.image", None),
+    "empty image": ("spec.image", ""),
+    "no model volume": ("spec.model.volume", None),
+    "two volume sources": ("spec.model.volume", {"emptyDir": {}, "hostPath": {"path": "/m"}}),
+    "path escapes the volume": ("spec.model.path", "../etc"),
+    "unknown dtype": ("spec.model.dtype", "int8"),
+    "misspelled field": ("spec.atention", {"gpus": 1}),
+    "misspelled nested field": ("spec.experts.quantisation", "int4"),
+    "negative replicas": ("spec.replicas", -1),
+    "fractional cpus": ("spec.experts.cpus", 1.5),
+    "zero gpus": ("spec.attention.gpus", 0),
+    "bad memory quantity": ("spec.experts.memory", "lots"),
+    "unknown quantization": ("spec.experts.quantization", "int3"),
+    "zero gpu memory fraction": ("spec.kvCache.gpuMemoryFraction", 0),
+    "gpu memory fraction above 1": ("spec.kvCache.gpuMemoryFraction", 1.5),
+    "unknown metrics source": ("spec.autoscaling.metrics.source", "Datadog"),
+    "prometheus url not http": ("spec.autoscaling.metrics.prometheus", {"url": "prometheus:9090"}),
+    "tolerations not a list": ("spec.placement.tolerations", {"key": "a"}),
+    "string boolean": ("spec.autoscaling.enabled", "yes"),
+}
+
+
+@pytest.mark.parametrize("path, value", BAD_SPECS.values(), ids=list(BAD_SPECS))
+def test_bad_spec_is_rejected(path, value):
+    with pytest.raises(jsonschema.ValidationError):
+        VALIDATOR.validate(mutate(path, value))
+
+
+def test_conversion_closes_records_and_keeps_open_fields_open():
+    # Volume sources stay free-form (x-kubernetes-preserve-unknown-fields), records are closed.
+    example = mutate("spec.model.volume", {"nfs": {"server": "nas", "path": "/models", "readOnly": True}})
+    VALIDATOR.validate(example)
+    assert SCHEMA["properties"]["spec"]["additionalProperties"] is False
+    assert "additionalProperties" not in SCHEMA["properties"]["spec"]["properties"]["model"]["properties"]["volume"]
+
+
+def test_conversion_of_openapi_only_keywords():
+    openapi = {"type": "object", "x-kubernetes-validations": [{"rule": "true"}], "properties": {
+        "fraction": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1},
+        "note": {"type": "string", "nullable": True},
+    }}
+    assert crd_schema.to_json_schema(openapi) == {"type": "object", "additionalProperties": False, "properties": {
+        "fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "note": {"type": ["string", "null"]},
+    }}
+    with pytest.raises(ValueError, match="exclusiveMinimum"):
+        crd_schema.to_json_schema({"type": "number", "exclusiveMinimum": True})
+    with pytest.raises(ValueError, match="no version 'v2'"):
+        crd_schema.crd_version_schema(CRD, "v2")
