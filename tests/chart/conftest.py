@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,16 +40,25 @@ def chart():
         yield loaded
 
 
+_RENDERED: dict[tuple[int, str, str, str], list[dict[str, Any]]] = {}
+
+
 def render_objects(chart, values: dict[str, Any] | None = None, *, release: str = RELEASE,
                    namespace: str = NAMESPACE) -> list[dict[str, Any]]:
-    """Every Kubernetes object the chart renders for `values` (NOTES.txt excluded)."""
-    manifests = chart.render(values or {}, name=release, namespace=namespace)
-    objects = []
-    for path, text in sorted(manifests.items()):
-        if path.endswith(".txt"):
-            continue
-        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
-    return objects
+    """Every Kubernetes object the chart renders for `values` (NOTES.txt excluded).
+
+    Renders are cached per values (the machine is shared; tests stay fast) and handed out as
+    copies, so a test may change what it gets.
+    """
+    key = (id(chart), json.dumps(values or {}, sort_keys=True), release, namespace)
+    if key not in _RENDERED:
+        manifests = chart.render(values or {}, name=release, namespace=namespace)
+        objects = []
+        for path, text in sorted(manifests.items()):
+            if not path.endswith(".txt"):
+                objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+        _RENDERED[key] = objects
+    return copy.deepcopy(_RENDERED[key])
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
