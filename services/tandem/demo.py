@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama", "deepseek_v3")
 
 _CORPUS = """\
 The expert said that the model was too big for the memory of the GPU, so the experts went to the CPU.
@@ -45,11 +45,32 @@ def demo_config(arch: str, vocab_size: int, **overrides):
         cfg = tf.LlamaConfig(**base, intermediate_size=128, rope_theta=500000.0,
                              rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
                                                high_freq_factor=4.0, original_max_position_embeddings=8192))
+    elif arch == "deepseek_v3":
+        # Every DeepSeek-V3 feature at toy size: latent attention with a query LoRA, 2 expert groups
+        # of which 1 is eligible, a dense first layer, a shared expert and YaRN rope scaling.
+        base.update(num_hidden_layers=3, num_key_value_heads=4)  # MLA: one latent, no KV head groups
+        cfg = tf.DeepseekV3Config(**base, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                                  n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                  first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=32,
+                                  kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                  rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024,
+                                                    beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+                                  rope_theta=10000.0)
     else:
         raise ValueError(f"unknown demo architecture {arch!r}; choose from {', '.join(ARCHS)}")
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
+
+
+def _randomize_router_bias(model) -> None:
+    # transformers initialises DeepSeek's selection bias to zero; trained checkpoints have one that
+    # changes which experts win, so the demo has one too (seeded by the caller's manual_seed).
+    import torch
+
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape) * 0.1)
 
 
 def train_tokenizer(vocab_size: int = 384):
@@ -79,8 +100,10 @@ def make_demo_model(out_dir: str | Path, arch: str = "mixtral", seed: int = 0, d
     cfg = demo_config(arch, tok.get_vocab_size(), **overrides)
     torch.manual_seed(seed)
     model_cls = {"mixtral": tf.MixtralForCausalLM, "qwen2_moe": tf.Qwen2MoeForCausalLM,
-                 "qwen3_moe": tf.Qwen3MoeForCausalLM, "llama": tf.LlamaForCausalLM}[arch]
+                 "qwen3_moe": tf.Qwen3MoeForCausalLM, "llama": tf.LlamaForCausalLM,
+                 "deepseek_v3": tf.DeepseekV3ForCausalLM}[arch]
     model = model_cls(cfg).to(getattr(torch, dtype))
+    _randomize_router_bias(model)
     model.save_pretrained(out)
     tok.save(str(out / "tokenizer.json"))
     return out

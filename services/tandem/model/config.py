@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.model.deepseek_config import MlaDims
 
 SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -52,6 +56,13 @@ class ModelConfig:
     shared_expert_intermediate_size: int  # 0 when none
     moe_layers: tuple[int, ...]
     hf_config: object  # transformers PreTrainedConfig, for RoPE initialisation
+    # DeepSeek-V3: latent attention and grouped sigmoid routing (the defaults mean neither)
+    mla: MlaDims | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # block-scaled FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None when unquantized
+    fp8_block_size: tuple[int, int] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -108,6 +119,7 @@ def from_hf_config(arch: str, hf) -> ModelConfig:
         qk_norm=hf.model_type == "qwen3_moe",
         sliding_window=_sliding_window(hf),
         hf_config=hf,
+        fp8_block_size=_fp8_block_size(hf),
     )
     if arch == "LlamaForCausalLM":
         moe = dict(num_experts=0, top_k=0, moe_intermediate_size=0, norm_topk_prob=False,
@@ -121,11 +133,21 @@ def from_hf_config(arch: str, hf) -> ModelConfig:
                    moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
                    shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
                    moe_layers=tuple(i for i in range(num_layers) if _qwen_is_sparse(hf, i)))
+    elif arch == "DeepseekV3ForCausalLM":
+        from tandem.model.deepseek_config import deepseek_fields
+
+        moe = deepseek_fields(hf, num_layers)
     else:
         raise ModelError(f"architecture {arch!r} is recognised but not yet served by this build")
     if moe["num_experts"] and moe["top_k"] > moe["num_experts"]:
         raise ModelError(f"num_experts_per_tok {moe['top_k']} exceeds the number of experts {moe['num_experts']}")
     return ModelConfig(**common, **moe)
+
+
+def _fp8_block_size(hf) -> tuple[int, int] | None:
+    from tandem.model.fp8 import fp8_block_size
+
+    return fp8_block_size(getattr(hf, "quantization_config", None))
 
 
 def _qwen_is_sparse(hf, layer: int) -> bool:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from tandem.experts.base import ExpertExecutor, ExpertWeights
 from tandem.model.config import ModelConfig, ModelError, load_config
+from tandem.model.fp8 import dequantize_stream
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.model import CausalLM
 
@@ -29,6 +30,7 @@ _EXPERT_KEY = re.compile(
 )
 # Stacked tensors as transformers >= 5 may save them: (layer, name).
 _STACKED_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
@@ -65,6 +67,21 @@ def iter_tensors(model_dir: Path, desc: str):
                     tensor = f.get_tensor(name)
                     bar.update(tensor.numel() * tensor.element_size())
                     yield name, tensor
+
+
+def checkpoint_tensors(model_dir: Path, cfg: ModelConfig, desc: str):
+    """`iter_tensors` as the model sees it: FP8 weights dequantized, layers past the last one skipped.
+
+    DeepSeek-V3 ships its multi-token-prediction module as `model.layers.{num_hidden_layers}.*`;
+    plain decoding never runs it, so it is neither dequantized nor kept.
+    """
+    kept = ((name, t) for name, t in iter_tensors(model_dir, desc) if _layer_index(name) < cfg.num_layers)
+    return dequantize_stream(kept, cfg.fp8_block_size)
+
+
+def _layer_index(name: str) -> int:
+    m = _LAYER.match(name)
+    return int(m[1]) if m else -1
 
 
 def is_expert_tensor(name: str) -> bool:
@@ -123,10 +140,11 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     with torch.device("meta"):
         model = CausalLM(cfg, executor)
     model = model.to_empty(device=device).to(dtype)
+    _keep_float32(model)
     model.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim).to(device)
     params = dict(model.named_parameters())
     loaded = set()
-    for name, tensor in iter_tensors(model_dir, "loading weights"):
+    for name, tensor in checkpoint_tensors(model_dir, cfg, "loading weights"):
         if is_expert_tensor(name):
             if collector is not None:
                 collector.add(name, tensor)
@@ -140,7 +158,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         if param.shape != tensor.shape:
             raise ModelError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
         with torch.no_grad():
-            param.copy_(tensor.to(dtype))
+            param.copy_(tensor.to(param.dtype))
         loaded.add(key)
     missing = sorted(set(params) - loaded)
     if missing:
@@ -154,6 +172,15 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     return model, executor
 
 
+def _keep_float32(model: torch.nn.Module) -> None:
+    # Small parameters a module lists in `keep_float32` (DeepSeek's router bias) stay float32 in a
+    # bfloat16 model, as transformers keeps them: rounding them would change which experts win.
+    for module in model.modules():
+        for name in getattr(module, "keep_float32", ()):
+            param = getattr(module, name)
+            param.data = param.data.float()
+
+
 def load_expert_weights(model_dir: str | Path, dtype=None) -> dict[int, ExpertWeights]:
     """Only the routed-expert weights: what the experts process of the split deployment holds."""
     model_dir = Path(model_dir)
@@ -161,7 +188,7 @@ def load_expert_weights(model_dir: str | Path, dtype=None) -> dict[int, ExpertWe
     if not cfg.is_moe:
         raise ModelError(f"{cfg.architecture} has no routed experts to serve")
     collector = ExpertCollector(cfg, resolve_dtype(cfg, dtype))
-    for name, tensor in iter_tensors(model_dir, "loading experts"):
+    for name, tensor in checkpoint_tensors(model_dir, cfg, "loading experts"):
         if is_expert_tensor(name):
             collector.add(name, tensor)
     return collector.build()

@@ -11,16 +11,27 @@ from tandem.kv.attention import AttentionMetadata
 from tandem.kv.cache import KVCache
 from tandem.model.attention import Attention
 from tandem.model.config import ModelConfig
+from tandem.model.deepseek_attention import MlaAttention
+from tandem.model.deepseek_moe import DeepseekMoe
 from tandem.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from tandem.model.moe import SparseMoe
+
+# Per architecture: (attention class, sparse MoE block class); others use (Attention, SparseMoe).
+_BLOCKS = {"DeepseekV3ForCausalLM": (MlaAttention, DeepseekMoe)}
+
+
+def blocks_for(cfg: ModelConfig) -> tuple[type[nn.Module], type[nn.Module]]:
+    """The attention and sparse-MoE classes an architecture's decoder layers are built from."""
+    return _BLOCKS.get(cfg.architecture, (Attention, SparseMoe))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, executor: ExpertExecutor | None):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        attention, moe = blocks_for(cfg)
+        self.self_attn = attention(cfg)
         if cfg.is_moe_layer(layer):
-            self.mlp = SparseMoe(cfg, layer, executor)
+            self.mlp = moe(cfg, layer, executor)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -46,7 +57,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def kv_entries(self):
-        return Attention.kv_entries(self.cfg)
+        return blocks_for(self.cfg)[0].kv_entries(self.cfg)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,

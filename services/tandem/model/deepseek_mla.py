@@ -1,0 +1,91 @@
+"""Multi-head latent attention over a paged cache that holds only the latent.
+
+Each cached token is one vector [kv_lora_rank + qk_rope_head_dim]: the normalised KV latent `c`
+followed by the roped key part `k_pe` that all heads share. Per-head keys and values are
+`kv_b_proj(c)` split into (k_nope [H, nope], v [H, v]). Two equal ways to attend:
+
+- absorbed (decode): fold k_nope's projection into the query, q_lat = q_nope @ W_uk [H, r], so
+  scores are q_lat . c + q_pe . k_pe against the latent directly (one shared "KV head"); the
+  weighted latent goes out through W_uv. Reads r + rope numbers per cached token, not H * (d + v).
+- expanded (prefill): project every cached latent to full K and V and run ordinary attention,
+  cheaper when many queries share the same keys.
+
+The functions are device-agnostic: they run wherever their tensors are, GPU tier or CPU tier.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kv.attention import AttentionMetadata, gather_kv
+from tandem.model.deepseek_config import MlaDims
+
+
+def paged_latent_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                           kv_b_weight: torch.Tensor, dims: MlaDims) -> torch.Tensor:
+    """q_nope [T, H, nope], q_pe [T, H, rope] (roped), cache [blocks, block_size, r + rope] -> [T, H, v].
+
+    Sequences with one new token (decodes) take the absorbed form, the others the expanded form.
+    """
+    t, h = q_nope.shape[:2]
+    out = q_nope.new_empty(t, h, dims.v_head_dim)  # [T, H, v]
+    single = meta.query_valid.sum(dim=1) == 1  # [B]
+    for rows, attend in ((single, absorbed_attention), (~single, expanded_attention)):
+        if not bool(rows.any()):
+            continue
+        sub = select_sequences(meta, rows)
+        tokens = sub.query_index[sub.query_valid]  # [t] positions in the T tokens
+        out[tokens] = attend(q_nope, q_pe, cache, sub, kv_b_weight, dims)
+    return out
+
+
+def select_sequences(meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMetadata:
+    """The metadata of the sequences where `rows` [B] is True, queries trimmed to their longest chunk."""
+    valid = meta.query_valid[rows]  # [b, Qmax]
+    q_max = int(valid.sum(dim=1).max())
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        block_tables=meta.block_tables[rows],
+        query_index=meta.query_index[rows, :q_max],
+        query_valid=valid[:, :q_max],
+        mask=meta.mask[rows, :, :q_max],
+        seq_lens=meta.seq_lens[rows],
+    )
+
+
+def split_kv_b(kv_b_weight: torch.Tensor, dims: MlaDims, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj.weight [H * (nope + v), r] -> W_uk [H, nope, r], W_uv [H, v, r] (views, no copy)."""
+    w = kv_b_weight.view(num_heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
+    return w[:, : dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim:]
+
+
+def absorbed_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:
+    """Attention against the latent itself: one shared key/value head of width r + rope / r."""
+    h = q_nope.shape[1]
+    w_uk, w_uv = split_kv_b(kv_b_weight, dims, h)
+    q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope[meta.query_index], w_uk)  # [B, Q, H, r]
+    q = torch.cat((q_lat, q_pe[meta.query_index]), dim=-1).transpose(1, 2)  # [B, H, Q, r + rope]
+    latent = gather_kv(cache, meta.block_tables)[:, None]  # [B, 1, L, r + rope]
+    b, _, length, width = latent.shape
+    keys = latent.expand(b, h, length, width)  # [B, H, L, r + rope], no copy
+    values = keys[..., : dims.kv_lora_rank]  # [B, H, L, r]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask,
+                                         scale=dims.softmax_scale)  # [B, H, Q, r]
+    out = out.transpose(1, 2)[meta.query_valid]  # [t, H, r]
+    return torch.einsum("thr,hvr->thv", out, w_uv)  # [t, H, v]
+
+
+def expanded_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:
+    """Project the cached latents to per-head K and V, then ordinary attention."""
+    h = q_nope.shape[1]
+    latent = gather_kv(cache, meta.block_tables)  # [B, L, r + rope]
+    c, k_pe = latent.split((dims.kv_lora_rank, dims.qk_rope_head_dim), dim=-1)
+    b, length = latent.shape[:2]
+    kv = F.linear(c, kv_b_weight).view(b, length, h, -1)  # [B, L, H, nope + v]
+    k_nope, v = kv.split((dims.qk_nope_head_dim, dims.v_head_dim), dim=-1)
+    k = torch.cat((k_nope, k_pe[:, :, None].expand(b, length, h, dims.qk_rope_head_dim)), dim=-1)  # [B, L, H, qk]
+    q = torch.cat((q_nope, q_pe), dim=-1)[meta.query_index]  # [B, Q, H, qk]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=meta.mask, scale=dims.softmax_scale)  # [B, H, Q, v]
+    return out.transpose(1, 2)[meta.query_valid]  # [t, H, v]
