@@ -14,7 +14,7 @@ import torch
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampling_params import InvalidRequest, RequestOutput, SamplingParams
-from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from tandem.engine.sequence import Sequence
 from tandem.experts.base import ExpertExecutor
 from tandem.kv.block_manager import KVBlockManager
@@ -22,10 +22,6 @@ from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
 from tandem.model.loader import load_model
 
 GiB = 1 << 30
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its limit; the client should retry later."""
 
 
 @dataclass
@@ -133,16 +129,15 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises InvalidRequest for bad input, QueueFull when the waiting queue is full."""
         self._validate(request_id, prompt_token_ids, params)
-        if self.scheduler.num_waiting >= self.config.max_waiting:
-            raise QueueFull(f"the waiting queue is full ({self.config.max_waiting} requests)")
         seq = Sequence(request_id, list(prompt_token_ids), params)
+        self.scheduler.add(seq)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop) if self.tokenizer else None
         self.requests[request_id] = _Request(seq, generator, detok)
-        self.scheduler.add(seq)
 
     def _validate(self, request_id, prompt, params: SamplingParams) -> None:
         if not request_id:

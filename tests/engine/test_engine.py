@@ -1,0 +1,137 @@
+"""The engine end to end on a tiny checkpoint: tiers, preemption, prefix cache, cancel, stops, seeds."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.llm_engine import EngineConfig, LLMEngine
+from tandem.engine.sampling_params import InvalidRequest, SamplingParams
+from tandem.engine.scheduler import QueueFull
+from tandem.kv.cache import CPU, DEVICE
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tandem.demo import make_demo_model
+
+    return make_demo_model(tmp_path_factory.mktemp("mixtral"), arch="mixtral", initializer_range=0.2)
+
+
+def engine(model_dir, **config):
+    return LLMEngine.from_pretrained(model_dir, device="cpu", dtype="float32", config=EngineConfig(**config))
+
+
+def prompts(n, length=13):
+    return [[(7 * i + 3 * j) % 300 + 3 for j in range(length + i)] for i in range(n)]
+
+
+def test_preemption_by_swap_to_cpu_tier_loses_nothing(model_dir):
+    reference = [c.token_ids for c in engine(model_dir).generate(prompts(4), GREEDY)]
+    # 4 sequences of ~40 tokens need ~40 blocks of 4; 16 device blocks force swaps to the CPU tier.
+    small = engine(model_dir, block_size=4, num_device_blocks=16, num_cpu_blocks=64, max_model_len=64)
+    swapped = []
+    original = small.runner.swap
+    small.runner.swap = lambda out, into: (swapped.append((len(out), len(into))), original(out, into))
+    results = small.generate(prompts(4), GREEDY)
+    assert [c.token_ids for c in results] == reference
+    assert any(out for out, _ in swapped) and any(into for _, into in swapped), swapped
+    stats = small.stats()
+    assert stats.kv_blocks_used[CPU] == 0 and stats.num_swapped == 0
+
+
+def test_preemption_by_recompute_when_cpu_tier_is_full_loses_nothing(model_dir):
+    reference = [c.token_ids for c in engine(model_dir).generate(prompts(4), GREEDY)]
+    small = engine(model_dir, block_size=4, num_device_blocks=16, num_cpu_blocks=0, max_model_len=64,
+                   enable_prefix_caching=False)
+    assert [c.token_ids for c in small.generate(prompts(4), GREEDY)] == reference
+    assert small.stats().kv_blocks_used[DEVICE] == 0
+
+
+def test_prefix_cache_reuses_blocks_and_skips_prefill(model_dir):
+    e = engine(model_dir, block_size=4)
+    shared = prompts(1, 30)[0]
+    [first] = e.generate([shared + [5, 6]], GREEDY)
+    assert first.num_cached_tokens == 0
+    [second] = e.generate([shared + [9, 10, 11]], GREEDY)
+    assert second.num_cached_tokens == 28  # the 7 full blocks of the shared 30-token prefix
+    assert e.stats().prefix_cache_hit_tokens == 28
+    # Cached blocks change nothing: a fresh engine with no cache gives the same tokens.
+    [fresh] = engine(model_dir, enable_prefix_caching=False).generate([shared + [9, 10, 11]], GREEDY)
+    assert second.token_ids == fresh.token_ids
+
+
+def test_cancel_frees_blocks_at_once(model_dir):
+    e = engine(model_dir, block_size=4)
+    e.add_request("a", prompts(1, 20)[0], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    e.add_request("b", prompts(2, 9)[1], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    assert e.stats().kv_blocks_used[DEVICE] > 0
+    out = e.abort_request("a")
+    assert out.finished and out.finish_reason == "cancelled"
+    e.abort_request("b")
+    assert e.stats().kv_blocks_used[DEVICE] == 0
+    assert not e.has_unfinished_requests()
+    assert e.abort_request("a") is None
+
+
+def test_finish_reasons_stop_token_and_length(model_dir):
+    e = engine(model_dir)
+    [free] = e.generate(prompts(1), GREEDY)
+    assert free.finish_reason == "length" and len(free.token_ids) == 24
+    stop_id = free.token_ids[5]
+    first = free.token_ids.index(stop_id)
+    [stopped] = e.generate(prompts(1), SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_id,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: first + 1]
+
+
+def test_stop_string_truncates_text(model_dir):
+    e = engine(model_dir)
+    [free] = e.generate(prompts(1), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    text = free.text
+    assert len(text) > 6
+    stop = text[3:6]
+    [stopped] = e.generate(prompts(1), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                      stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[: text.index(stop)]
+    assert stop not in stopped.text
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(model_dir):
+    e = engine(model_dir)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    [alone] = e.generate(prompts(1), params)
+    others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    together = e.generate(prompts(3), [params, others, others])
+    assert together[0].token_ids == alone.token_ids
+    [other_seed] = e.generate(prompts(1), SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))
+    assert other_seed.token_ids != alone.token_ids
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ([], GREEDY, "prompt"),
+    ([1, 100000], GREEDY, "prompt_token_ids"),
+    ([1, 2], SamplingParams(max_tokens=9000), "max_tokens"),
+])
+def test_bad_requests_name_the_field_and_leave_nothing_behind(model_dir, prompt, params, field):
+    e = engine(model_dir)
+    with pytest.raises(InvalidRequest) as err:
+        e.add_request("x", prompt, params)
+    assert err.value.field == field
+    assert not e.has_unfinished_requests()
+    e.add_request("x", [1, 2, 3], GREEDY)  # the id is free again
+    with pytest.raises(InvalidRequest):
+        e.add_request("x", [1, 2, 3], GREEDY)
+
+
+def test_waiting_queue_limit(model_dir):
+    e = engine(model_dir, max_waiting=2)
+    e.add_request("a", [1, 2], GREEDY)
+    e.add_request("b", [1, 2], GREEDY)
+    with pytest.raises(QueueFull):
+        e.add_request("c", [1, 2], GREEDY)
+    assert e.stats().num_waiting == 2
