@@ -135,3 +135,41 @@ def test_waiting_queue_limit(model_dir):
     with pytest.raises(QueueFull):
         e.add_request("c", [1, 2], GREEDY)
     assert e.stats().num_waiting == 2
+
+
+def test_experts_unavailable_keeps_the_step_pending_and_loses_nothing(model_dir):
+    from tandem.experts.base import ExpertsUnavailable
+
+    reference = [c.token_ids for c in engine(model_dir).generate(prompts(2), GREEDY)]
+    e = engine(model_dir)
+    executor = e.model.model.layers[0].mlp.executor
+    real, failures = executor.forward, iter([True, False, False, True, True] + [False] * 10_000)
+
+    def flaky(*args):
+        if next(failures):
+            raise ExpertsUnavailable("experts process is down")
+        return real(*args)
+
+    executor.forward = flaky
+    for rid, prompt in zip("ab", prompts(2)):
+        e.add_request(rid, prompt, GREEDY)
+    tokens, raised = {"a": [], "b": []}, 0
+    while e.has_unfinished_requests():
+        try:
+            outputs = e.step()
+        except ExpertsUnavailable:
+            raised += 1
+            continue
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert raised == 3
+    assert [tokens["a"], tokens["b"]] == reference
+
+
+def test_a_failed_forward_pass_finishes_its_requests_with_error_and_frees_blocks(model_dir):
+    e = engine(model_dir)
+    e.add_request("a", prompts(1)[0], GREEDY)
+    e.runner.model.compute_logits = lambda hidden: (_ for _ in ()).throw(RuntimeError("boom"))
+    [out] = e.step()
+    assert out.finished and out.finish_reason == "error"
+    assert not e.has_unfinished_requests() and e.stats().kv_blocks_used[DEVICE] == 0

@@ -5,6 +5,7 @@ Synchronous and single-threaded: `tandem.rpc` drives it from one thread.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,12 +17,13 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampling_params import InvalidRequest, RequestOutput, SamplingParams
 from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from tandem.engine.sequence import Sequence
-from tandem.experts.base import ExpertExecutor
+from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
 from tandem.kv.block_manager import KVBlockManager
 from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
 from tandem.model.loader import load_model
 
 GiB = 1 << 30
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -180,11 +182,22 @@ class LLMEngine:
             self._pending = out
         out = self._pending
         generators = {s.seq.request_id: self.requests[s.seq.request_id].generator for s in out.scheduled}
-        # May raise ExpertsUnavailable: the step stays pending and the next call retries it.
-        sampled = self.runner.execute(out.scheduled, generators)
+        try:
+            sampled = self.runner.execute(out.scheduled, generators)
+        except ExpertsUnavailable:
+            raise  # the step stays pending; the next call retries it, losing nothing
+        except Exception:
+            # A failed forward pass fails the requests in it, not the engine: the rest go on.
+            log.exception("forward pass failed; finishing %d requests with reason 'error'", len(out.scheduled))
+            self._pending = None
+            return [self._fail(s.seq) for s in out.scheduled]
         self._pending = None
         changed = self.scheduler.update(out, sampled)
         return [self._postprocess(seq) for seq in changed if seq.request_id in self.requests]
+
+    def _fail(self, seq: Sequence) -> RequestOutput:
+        self.scheduler.finish(seq.request_id, "error")
+        return self._output(self.requests[seq.request_id], finished=True)
 
     def _postprocess(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]
