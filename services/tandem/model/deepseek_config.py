@@ -77,8 +77,6 @@ def mla_dims(hf) -> MlaDims:
     for name, value in dims.items():
         if not value or value < 1:
             raise ModelError(f"{name} must be a positive integer, got {value!r}")
-    if dims["qk_rope_head_dim"] % 2:
-        raise ModelError(f"qk_rope_head_dim must be even to rotate in pairs, got {dims['qk_rope_head_dim']}")
     q_lora_rank = hf.q_lora_rank
     if q_lora_rank is not None and q_lora_rank < 1:
         raise ModelError(f"q_lora_rank must be a positive integer or null, got {q_lora_rank!r}")
