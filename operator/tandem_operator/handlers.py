@@ -7,6 +7,7 @@ their own registry with short intervals.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Mapping
@@ -40,8 +41,10 @@ def on_spec(body: Mapping, logger: logging.Logger, **_: Any) -> None:
     reconcile.reconcile(plain(body), logger, trigger="spec")
 
 
-def on_resync(body: Mapping, logger: logging.Logger, **_: Any) -> None:
-    reconcile.reconcile(plain(body), logger, trigger="drift")
+# Timers are async shells around the blocking work: kopf stops async timers at once on exit,
+# but waits out a sync timer's sleep.
+async def on_resync(body: Mapping, logger: logging.Logger, **_: Any) -> None:
+    await asyncio.to_thread(reconcile.reconcile, plain(body), logger, "drift")
 
 
 def on_delete(body: Mapping, logger: logging.Logger, **_: Any) -> None:
@@ -57,8 +60,8 @@ def on_child_event(body: Mapping, logger: logging.Logger, **_: Any) -> None:
             pass  # already reported on the owner by its own handlers
 
 
-def on_autoscale(body: Mapping, memo: Any, logger: logging.Logger, **_: Any) -> None:
-    scaling.autoscale_step(plain(body), memo, logger)
+async def on_autoscale(body: Mapping, memo: Any, logger: logging.Logger, **_: Any) -> None:
+    await asyncio.to_thread(scaling.autoscale_step, plain(body), memo, logger)
 
 
 def register(registry: kopf.OperatorRegistry, *, autoscale_interval: float = DEFAULT_AUTOSCALE_INTERVAL,
