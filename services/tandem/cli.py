@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_parser(sub)
     try:
-        from tandem.bench import add_bench_parser
+        from tandem.engine_bench import add_bench_parser
     except ImportError:
         pass
     else:
@@ -120,6 +120,7 @@ def build_engine(args):
     try:
         config = EngineConfig(block_size=args.block_size, max_model_len=args.max_model_len)
         return LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config,
+                                         expert_executor=getattr(args, "expert_executor", None),
                                          expert_threads=args.threads, expert_quant=args.expert_quant)
     except (ModelError, ValueError) as e:
         raise UsageError(str(e)) from None

@@ -1,0 +1,45 @@
+"""`tandem bench`: the report's shape and the weight-traffic accounting behind the roofline share."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tandem.cli import main
+from tandem.engine_bench import ExpertTraffic, dense_weight_bytes
+
+
+class _Echo:
+    def forward(self, layer, hidden, topk_ids, topk_weights):
+        return hidden
+
+
+def test_expert_traffic_counts_distinct_experts_per_call():
+    traffic = ExpertTraffic(_Echo(), {0: 100, 1: 10})
+    traffic.forward(0, torch.zeros(3, 4), torch.tensor([[0, 1], [1, 2], [0, 2]]), torch.ones(3, 2))
+    traffic.forward(1, torch.zeros(1, 4), torch.tensor([[5, 6]]), torch.ones(1, 2))
+    assert traffic.bytes == 3 * 100 + 2 * 10
+
+
+def test_dense_bytes_count_the_tied_head_once(demo_model_dir):
+    from tandem.model.loader import load_model
+
+    model, _ = load_model(demo_model_dir("llama"), device="cpu")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert dense_weight_bytes(model) == params  # the embedding matrix is read whole, as the LM head
+
+
+def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
+    import tandem.bench
+
+    monkeypatch.setattr(tandem.bench, "measure_read_bandwidth", lambda threads=None: 10.0)
+    assert main(["bench", "--model", str(demo_model_dir("mixtral")), "--prompt-len", "8", "--gen-len", "6",
+                 "--concurrency", "1,2", "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["decode_tok_s"] > 0 and report["prefill_tok_s"] > 0
+    assert report["itl_p50_s"] <= report["itl_p95_s"]
+    assert set(report["concurrency"]) == {"1", "2"}
+    expected_roofline = 10.0e9 / report["weight_bytes_per_step"]
+    assert abs(report["roofline_tok_s"] - expected_roofline) < 1e-6 * expected_roofline
+    assert report["roofline_share"] == report["decode_tok_s"] / report["roofline_tok_s"]
