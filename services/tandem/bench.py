@@ -1,0 +1,62 @@
+"""Roofline pieces for `tandem bench` and benchmarks/: this machine's read bandwidth, the share
+of it decode achieves, and the bytes an executor's experts occupy.
+
+Decode streams every weight it uses from RAM once per step, so its speed limit is memory
+bandwidth: bytes actually read per step (the distinct experts the batch touched, plus the
+dense weights: attention, norms, router, head) times steps per second, over the bandwidth a
+plain `sum` reaches, is the share of that limit the engine achieves.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, threads: int | None = None) -> float:
+    """Read bandwidth in GB/s: the best of `repeats` torch `sum`s over `size_bytes` of float32.
+
+    A sum reads every byte once and writes nothing, the same access pattern as decode
+    streaming weights, so it is the roofline decode is measured against.
+    """
+    if size_bytes < 1 << 20:
+        raise ValueError(f"size_bytes must be at least 1 MiB to measure RAM, got {size_bytes}")
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        x = torch.ones(size_bytes // 4, dtype=torch.float32)  # touched: no page faults while timed
+        x.sum()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - start)
+        return x.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def roofline_share(bytes_per_step: float, steps_per_s: float, bandwidth_gb_s: float) -> float:
+    """Fraction of the memory-bandwidth limit achieved: bytes/step x steps/s / bandwidth."""
+    if bandwidth_gb_s <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth_gb_s}")
+    return bytes_per_step * steps_per_s / (bandwidth_gb_s * 1e9)
+
+
+def expert_bytes_per_layer(executor) -> dict[int, int] | None:
+    """Bytes one routed expert occupies per layer, as `executor` stores it (quantized sizes and
+    scales included), or None when the executor cannot say (a remote one)."""
+    layers = getattr(executor, "layers", None)
+    if not isinstance(layers, dict):
+        return None
+    out = {}
+    for layer, w in layers.items():
+        if hasattr(w, "expert_nbytes"):  # CpuExpertExecutor's prepared layers
+            out[layer] = w.expert_nbytes
+        elif hasattr(w, "gate_up"):  # plain ExpertWeights
+            out[layer] = (w.gate_up.nbytes + w.down.nbytes) // w.gate_up.shape[0]
+        else:
+            return None
+    return out
