@@ -62,6 +62,9 @@ async def operator(cluster):
 
     @kopf.on.startup(registry=registry)
     def kmock_settings(settings: kopf.OperatorSettings, **_):
+        # Per-object workers idle 5 s before exiting, and shutdown waits for them: keep it short.
+        settings.queueing.idle_timeout = 0.2
+        settings.queueing.exit_timeout = 0.5
         # KMock never changes resourceVersion, so kopf cannot recognise its own patches' echo.
         settings.persistence.consistency_timeout = 0.5
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hm_cluster import DEPLOYMENT, PDB, SERVICE, hybrid_model, model_path, wait_for
+from hm_cluster import DEPLOYMENT, NS, PDB, SERVICE, core_path, hybrid_model, model_path, wait_for
 
 from tandem_operator import names
 
@@ -40,3 +40,106 @@ async def test_create_builds_owned_children_and_status(cluster, operator):
     assert condition(model, "Ready")["status"] == "False"
     assert condition(model, "Progressing")["status"] == "True"
     assert condition(model, "Degraded")["status"] == "False"
+
+
+async def test_spec_change_rolls_out_and_drift_is_repaired(cluster, operator):
+    await cluster.create_model(hybrid_model("qwen"))
+    await wait_for(lambda: cluster.get(DEPLOYMENT("qwen")), what="Deployment")
+
+    # A spec change rolls out to the pod template and the replica count.
+    await cluster.patch(model_path("qwen"), {"metadata": {"generation": 2},
+                                             "spec": {"image": "ghcr.io/example/tandem:0.2.0", "replicas": 3}})
+
+    async def rolled_out():
+        dep = await cluster.get(DEPLOYMENT("qwen"))
+        images = {c["image"] for c in containers(dep).values()}
+        return dep if images == {"ghcr.io/example/tandem:0.2.0"} and dep["spec"]["replicas"] == 3 else None
+
+    await wait_for(rolled_out, what="the new image and replicas in the Deployment")
+
+    # A hand edit of a field the operator sets is put back.
+    dep = await cluster.get(DEPLOYMENT("qwen"))
+    edited = [dict(c, image="evil:latest") for c in dep["spec"]["template"]["spec"]["containers"]]
+    await cluster.patch(DEPLOYMENT("qwen"), {"spec": {"replicas": 7, "template": {"spec": {"containers": edited}}}})
+    await wait_for(rolled_out, what="the hand-edited Deployment restored")
+
+    # A deleted child is recreated.
+    await cluster.delete(SERVICE("qwen"))
+    service = await wait_for(lambda: cluster.get(SERVICE("qwen")), what="the Service recreated")
+    assert service["spec"]["selector"] == {names.MODEL_LABEL: "qwen"}
+    assert await cluster.events("DriftRepaired")
+
+
+async def test_delete_removes_children(cluster, operator):
+    await cluster.create_model(hybrid_model("gone"))
+    await wait_for(lambda: cluster.get(PDB("gone")), what="children")
+    model = await cluster.get(model_path("gone"))
+    assert "tandem.dev/cleanup" in model["metadata"]["finalizers"]
+
+    await cluster.delete(model_path("gone"))
+
+    async def all_gone():
+        paths = (model_path("gone"), DEPLOYMENT("gone"), SERVICE("gone"), PDB("gone"))
+        return all([await cluster.get(p) is None for p in paths])
+
+    await wait_for(all_gone, what="the HybridModel and its children deleted")
+
+
+async def test_status_follows_deployment_and_pods(cluster, operator):
+    await cluster.create_model(hybrid_model("st", replicas=2))
+    await wait_for(lambda: cluster.get(DEPLOYMENT("st")), what="Deployment")
+
+    # The Deployment controller's report: both replicas up to date and ready.
+    await cluster.patch(DEPLOYMENT("st") + "/status", {"status": {
+        "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "availableReplicas": 2}})
+
+    async def phase(expected):
+        model = await cluster.get(model_path("st"))
+        return model if (model.get("status") or {}).get("phase") == expected else None
+
+    model = await wait_for(lambda: phase("Running"), what="phase Running")
+    assert model["status"]["readyReplicas"] == 2
+    assert condition(model, "Ready")["status"] == "True"
+    assert condition(model, "Progressing")["reason"] == "Complete"
+
+    # A pod that no node fits turns the model Degraded, with the scheduler's reason.
+    await cluster.create(core_path("pods"), pod("st-abc", "st", scheduled=False))
+    model = await wait_for(lambda: phase("Degraded"), what="phase Degraded")
+    degraded = condition(model, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "Unschedulable"
+    assert "0/3 nodes are available" in degraded["message"]
+
+
+async def test_invalid_spec_is_reported_not_applied(cluster, operator):
+    # As if the API server's schema were older or absent: the operator checks again.
+    body = hybrid_model("bad", replicas=-1)
+    await cluster.create_model(body, validate=False)
+
+    async def failed():
+        model = await cluster.get(model_path("bad"))
+        return model if (model.get("status") or {}).get("phase") == "Failed" else None
+
+    model = await wait_for(failed, what="phase Failed")
+    assert condition(model, "Degraded")["reason"] == "InvalidSpec"
+    assert "spec.replicas" in condition(model, "Degraded")["message"]
+    assert await cluster.events("InvalidSpec")
+    assert await cluster.get(DEPLOYMENT("bad")) is None
+
+
+def pod(name: str, model: str, scheduled: bool = True, ip: str = "127.0.0.1", metrics_port: int = 9400) -> dict:
+    """A pod of `model` as the ReplicaSet controller and kubelet would leave it."""
+    if scheduled:
+        conditions = [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}]
+        status = {"phase": "Running", "podIP": ip, "conditions": conditions}
+    else:
+        status = {"phase": "Pending", "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."}]}
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "labels": names.common_labels(model)},
+        "spec": {"containers": [
+            {"name": "attention", "image": "x", "ports": [{"name": "metrics", "containerPort": metrics_port}]},
+            {"name": "experts", "image": "x"}]},
+        "status": status,
+    }
