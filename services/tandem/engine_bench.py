@@ -50,10 +50,17 @@ def instrument(engine, bytes_per_expert: dict[int, int]) -> ExpertTraffic | None
     return traffic
 
 
-def expert_bytes_from_config(cfg, dtype: torch.dtype) -> dict[int, int]:
-    elem = torch.empty((), dtype=dtype).element_size()
-    per = 3 * cfg.hidden_size * cfg.moe_intermediate_size * elem
-    return {layer: per for layer in cfg.moe_layers}
+def expert_bytes(engine) -> dict[int, int]:
+    """Bytes of one routed expert per layer: as the executor stores them (quantized sizes included),
+    or, for a remote executor, from the config at the serving dtype."""
+    from tandem.bench import expert_bytes_per_layer
+
+    cfg = engine.model_config
+    executors = [layer.mlp.executor for layer in engine.model.model.layers if hasattr(layer.mlp, "executor")]
+    if executors and (measured := expert_bytes_per_layer(executors[0])):
+        return measured
+    elem = next(engine.model.parameters()).element_size()
+    return {layer: 3 * cfg.hidden_size * cfg.moe_intermediate_size * elem for layer in cfg.moe_layers}
 
 
 def run_requests(engine, prompts: list[list[int]], gen_len: int) -> dict:
@@ -119,9 +126,10 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
         bytes_per_step = dense_weight_bytes(engine.model)
     result["weight_bytes_per_step"] = bytes_per_step
     if bandwidth_gbs:
-        roofline = bandwidth_gbs * 1e9 / bytes_per_step
-        result.update(read_bandwidth_gbs=bandwidth_gbs, roofline_tok_s=roofline,
-                      roofline_share=result["decode_tok_s"] / roofline)
+        from tandem.bench import roofline_share
+
+        result.update(read_bandwidth_gbs=bandwidth_gbs, roofline_tok_s=bandwidth_gbs * 1e9 / bytes_per_step,
+                      roofline_share=roofline_share(bytes_per_step, result["decode_tok_s"], bandwidth_gbs))
     result["concurrency"] = {}
     for c in concurrency:
         run = run_requests(engine, prompts(c), gen_len)
@@ -165,8 +173,7 @@ def cmd_bench(args) -> int:
         args.expert_executor = executor
     try:
         engine = build_engine(args)
-        bpe = expert_bytes_from_config(engine.model_config, next(engine.model.parameters()).dtype)
-        traffic = instrument(engine, bpe)
+        traffic = instrument(engine, expert_bytes(engine))
         result = bench(engine, args.prompt_len, args.gen_len, concurrency, bandwidth, traffic)
     finally:
         if experts_proc is not None:
