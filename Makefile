@@ -21,7 +21,7 @@ $(DEMO)/config.json: | $(BIN)/tandem
 	$(BIN)/tandem make-demo-model $(DEMO) --arch mixtral
 
 demo: $(DEMO)/config.json
-	$(BIN)/tandem generate --model $(DEMO) --prompt "The expert said" --max-tokens 24
+	$(BIN)/tandem generate --model $(DEMO) --prompt "The expert said" --max-tokens 24 --json
 
 serve: $(DEMO)/config.json
 	$(BIN)/tandem serve --model $(DEMO) --listen 127.0.0.1:50051 --metrics-port 9400
