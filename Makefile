@@ -12,7 +12,7 @@ $(BIN)/tandem: pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	# Build the native expert kernel now (cached), not at the first request; failure is not fatal.
-	$(BIN)/python -m tandem.experts.native
+	$(BIN)/python -m tandem.experts.build
 	touch $@
 
 install: $(BIN)/tandem

@@ -5,7 +5,7 @@ isolated build environment, which would install an unpinned (multi-GB CUDA) torc
 against; and a machine without a compiler must still serve. So the extension is built with
 `torch.utils.cpp_extension.load` against the torch already installed, cached (rebuilt only
 when the sources or torch change), and `make install` warms the cache by running
-`python -m tandem.experts.native`. When the build fails, `load_kernel()` returns None and the
+`python -m tandem.experts.build`. When the build fails, `load_kernel()` returns None and the
 executor uses torch's own kernels.
 
 Environment: TANDEM_EXPERTS_KERNEL_DIR (cache directory), TANDEM_EXPERTS_NO_NATIVE=1 (never
@@ -14,8 +14,10 @@ build; use the torch kernels).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -59,15 +61,26 @@ def _build(verbose: bool):
     import torch
     from torch.utils.cpp_extension import load
 
-    # A build directory per torch version: an extension built against another torch's ABI
-    # would fail to load or, worse, load and misbehave.
-    build_dir = cache_dir() / f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    # The build directory is named by the sources' content and the torch/Python versions, and
+    # the sources are compiled from a copy inside it: checkouts at different paths (a fresh
+    # clone, a worktree) with the same sources then share one build instead of rebuilding
+    # each other's, and an extension built for another torch ABI is never picked up.
+    sources = sorted(_CSRC.glob("*.cpp")) + sorted(_CSRC.glob("*.h"))
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
+    tag = f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{digest}"
+    build_dir = cache_dir() / tag
+    src = build_dir / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for p in sources:
+        if not (src / p.name).exists() or (src / p.name).read_bytes() != p.read_bytes():
+            tmp = src / f".{p.name}.{os.getpid()}"
+            shutil.copyfile(p, tmp)
+            os.replace(tmp, src / p.name)  # atomic: a concurrent build never sees half a file
     _put_ninja_on_path()
     return load(
         name=_NAME,
-        sources=[str(_CSRC / "moe_cpu.cpp")],
-        extra_include_paths=[str(_CSRC)],
+        sources=[str(src / "moe_cpu.cpp")],
+        extra_include_paths=[str(src)],
         # No -march: the kernels pick AVX2 or AVX-512 at run time, so one build runs anywhere.
         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
         extra_ldflags=["-fopenmp"],
@@ -86,13 +99,3 @@ def _put_ninja_on_path() -> None:
     bin_dir = getattr(ninja, "BIN_DIR", None)
     if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-
-
-if __name__ == "__main__":
-    # `python -m tandem.experts.native`: build (or find) the kernel now; used by `make install`.
-    logging.basicConfig(level=logging.INFO)
-    kernel = load_kernel(verbose="-v" in sys.argv)
-    if kernel is None:
-        print(f"native expert kernel not built ({unavailable_reason()}); torch kernels will be used")
-    else:
-        print(f"native expert kernel ready: isa={kernel.isa()} supported={kernel.supported_isas()}")

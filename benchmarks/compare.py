@@ -1,0 +1,238 @@
+"""Tandem against HF transformers `generate` and llama.cpp, in one go, on one machine and checkpoint.
+
+    python benchmarks/compare.py [--checkpoint DIR] [--prompt-len 32] [--gen-len 64] [--threads 2]
+                                 [--precisions f32,int8,int4] [--concurrency 1,4,8] [--json out.json]
+
+Each system runs in its own process (so one's memory never slows another) on the same
+Mixtral-architecture checkpoint (made by make_checkpoint.py when absent: ~1.8 GB f32), at equal
+precision: f32 against llama.cpp f32, int8 experts against Q8_0, int4 experts against Q4_0.
+llama.cpp is llama-cpp-python built from its PyPI sdist (CMAKE_ARGS="-DGGML_NATIVE=ON"); the
+GGUF files come from the sdist's own vendor/llama.cpp/convert_hf_to_gguf.py and
+`llama_model_quantize`. When llama_cpp is not installed, or the sdist cannot be found, the
+llama.cpp rows are skipped with the reason. Tandem runs through `tandem bench`.
+
+Decode tok/s here is single-stream greedy decode; the roofline is read bandwidth (torch sum over
+1 GiB) over the bytes of weights one token reads in that system's format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem"
+SDIST_GLOB = "llama_cpp_python-*.tar.gz"
+GGUF_TYPES = {"f32": ("f32", None), "int8": ("q8_0", None), "int4": ("f32", 2)}  # 2 = LLAMA_FTYPE_MOSTLY_Q4_0
+LLAMA_NAMES = {"f32": "f32", "int8": "Q8_0", "int4": "Q4_0"}
+QUANTS = {"f32": "none", "int8": "int8", "int4": "int4"}
+
+
+# workers: each runs in a fresh process and prints one JSON line
+
+
+def worker_hf(ckpt: str, prompt_len: int, gen_len: int, threads: int) -> dict:
+    import torch
+    import transformers as tf
+
+    torch.set_num_threads(threads)
+    model = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up
+    first, full = timed(1), timed(gen_len)
+    return {"prefill_tok_s": prompt_len / first, "decode_tok_s": (gen_len - 1) / (full - first)}
+
+
+def worker_llama(gguf: str, prompt_len: int, gen_len: int, threads: int) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=prompt_len + gen_len + 16, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512, verbose=False)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, llm.n_vocab(), prompt_len).tolist()
+
+    def run(n: int) -> tuple[float, float]:
+        # generate() evaluates the prompt and yields a token, then evaluates each token it yielded
+        # before sampling the next: n - 1 more tokens are n - 1 decode steps. EOS is not checked.
+        llm.reset()
+        start = time.perf_counter()
+        tokens = llm.generate(prompt, temp=0.0, top_k=1, reset=True)
+        next(tokens)
+        first = time.perf_counter()
+        for _ in range(n - 1):
+            next(tokens)
+        return first - start, time.perf_counter() - first
+
+    run(2)  # warm-up
+    prefill, decode = run(gen_len)
+    return {"prefill_tok_s": prompt_len / prefill, "decode_tok_s": (gen_len - 1) / decode}
+
+
+def run_worker(name: str, *args) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# systems
+
+
+def tandem_bench(ckpt: Path, quant: str, args) -> dict:
+    cmd = [sys.executable, "-m", "tandem.cli", "bench", "--model", str(ckpt), "--prompt-len", str(args.prompt_len),
+           "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--expert-quant", quant,
+           "--threads", str(args.threads), "--device", "cpu", "--no-bandwidth", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["tandem bench failed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_skip_reason() -> str | None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama_cpp is not installed (pip install llama-cpp-python from its sdist)"
+    if find_convert_script() is None:
+        return f"llama-cpp-python's sdist ({SDIST_GLOB}) not found under {CACHE}/llama or $LLAMA_CPP_SDIST"
+    return None
+
+
+def find_convert_script() -> Path | None:
+    """The sdist's vendor/llama.cpp/convert_hf_to_gguf.py, unpacked once into the cache."""
+    unpacked = CACHE / "llama" / "src"
+    found = sorted(unpacked.glob("*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    if found:
+        return found[-1]
+    sdist = os.environ.get("LLAMA_CPP_SDIST") or next(iter(sorted((CACHE / "llama").glob(SDIST_GLOB))), None)
+    if not sdist:
+        return None
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and
+                   ("convert_hf_to_gguf" in m.name or "/gguf-py/" in m.name)]
+        tar.extractall(unpacked, members=members, filter="data")
+    found = sorted(unpacked.glob("*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    return found[-1] if found else None
+
+
+def make_gguf(ckpt: Path, precision: str) -> Path:
+    """The checkpoint as GGUF at `precision`: converted by the sdist's script, quantized by llama.cpp."""
+    outtype, ftype = GGUF_TYPES[precision]
+    base = ckpt / f"tandem-compare-{outtype}.gguf"
+    if not base.exists():
+        script = find_convert_script()
+        env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py"))
+        subprocess.run([sys.executable, str(script), str(ckpt), "--outtype", outtype, "--outfile", str(base)],
+                       check=True, env=env, capture_output=True)
+    if ftype is None:
+        return base
+    out = ckpt / f"tandem-compare-{LLAMA_NAMES[precision]}.gguf"
+    if not out.exists():
+        import llama_cpp
+
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        params.nthread = os.cpu_count() or 1
+        if llama_cpp.llama_model_quantize(str(base).encode(), str(out).encode(), params) != 0:
+            raise RuntimeError(f"llama_model_quantize to {LLAMA_NAMES[precision]} failed")
+    return out
+
+
+def active_bytes(ckpt: Path, precision: str) -> float:
+    """Bytes of weights one decode token reads, experts at `precision`, the rest at f32 (Tandem's
+    layout: only the routed experts are quantized)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    h, i, layers, k = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
+    kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or h // cfg["num_attention_heads"])
+    per_weight = {"f32": 4.0, "int8": 1.0 + 4.0 / h, "int4": 0.5 + 4.0 / 32}[precision]
+    experts = layers * k * 3 * h * i * per_weight
+    dense = 4.0 * (layers * (2 * h * h + 2 * h * kv + cfg["num_local_experts"] * h) + cfg["vocab_size"] * h)
+    return experts + dense
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", type=Path, default=CACHE / "compare-mixtral")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precisions", default="f32,int8,int4")
+    ap.add_argument("--concurrency", default="1,4,8")
+    ap.add_argument("--skip", default="", help="comma-separated: hf, llama, tandem")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args()
+    if args.worker:
+        fn = {"hf": worker_hf, "llama": worker_llama}[args.worker]
+        print(json.dumps(fn(rest[0], *map(int, rest[1:]))))
+        return
+
+    sys.path.insert(0, str(HERE))
+    from make_checkpoint import make_checkpoint
+
+    from tandem.bench import measure_read_bandwidth
+
+    if not (args.checkpoint / "config.json").exists():
+        print(f"making the checkpoint in {args.checkpoint} ...", flush=True)
+        make_checkpoint(args.checkpoint)
+    skip = set(filter(None, args.skip.split(",")))
+    bandwidth = measure_read_bandwidth(threads=args.threads)
+    report = {"checkpoint": str(args.checkpoint), "threads": args.threads, "read_bandwidth_gb_s": bandwidth,
+              "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": []}
+    print(f"read bandwidth {bandwidth:.1f} GB/s ({args.threads} threads)", flush=True)
+    llama_skip = "skipped by --skip" if "llama" in skip else llama_cpp_skip_reason()
+    if llama_skip:
+        print(f"llama.cpp: {llama_skip}")
+
+    for precision in args.precisions.split(","):
+        roofline = bandwidth * 1e9 / active_bytes(args.checkpoint, precision)
+        row = {"precision": precision, "roofline_tok_s": roofline}
+        if "tandem" not in skip:
+            row["tandem"] = tandem_bench(args.checkpoint, QUANTS[precision], args)
+        if precision == "f32" and "hf" not in skip:
+            row["transformers"] = run_worker("hf", args.checkpoint, args.prompt_len, args.gen_len, args.threads)
+        if not llama_skip:
+            try:
+                gguf = make_gguf(args.checkpoint, precision)
+                row["llama_cpp"] = run_worker("llama", gguf, args.prompt_len, args.gen_len, args.threads)
+                row["llama_cpp"]["format"] = LLAMA_NAMES[precision]
+            except (subprocess.CalledProcessError, RuntimeError) as e:
+                row["llama_cpp"] = {"error": str(e)}
+        report["rows"].append(row)
+        print(format_row(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def format_row(row: dict) -> str:
+    def tok_s(r):
+        return f"{r['decode_tok_s']:.1f}" if r and "decode_tok_s" in r else (r or {}).get("error", "-")
+
+    t, hf, ll = row.get("tandem"), row.get("transformers"), row.get("llama_cpp")
+    parts = [f"[{row['precision']}] roofline {row['roofline_tok_s']:.1f} tok/s",
+             f"tandem {tok_s(t)}", f"llama.cpp {tok_s(ll)}", f"transformers {tok_s(hf)}"]
+    if t and "decode_tok_s" in t:
+        parts.append(f"tandem roofline share {t['decode_tok_s'] / row['roofline_tok_s']:.0%}")
+        for other, name in ((ll, "llama.cpp"), (hf, "transformers")):
+            if other and "decode_tok_s" in other:
+                parts.append(f"{t['decode_tok_s'] / other['decode_tok_s']:.2f}x {name}")
+        agg = t.get("concurrency", {})
+        parts.append("aggregate " + ", ".join(f"{c}: {v['aggregate_tok_s']:.1f}" for c, v in agg.items()))
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    main()
