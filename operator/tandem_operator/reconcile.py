@@ -56,10 +56,13 @@ def checked_spec(body: dict) -> HybridModelSpec:
 
 def refresh_status(namespace: str, name: str, spec: HybridModelSpec, generation: int | None) -> dict | None:
     """Recompute replicas, phase and conditions from the Deployment and the pods."""
+    # The autoscaler may have changed spec.replicas since this handler's body was read.
+    latest = kube.get(kube.HYBRIDMODELS, namespace, name) or {}
+    desired = (latest.get("spec") or {}).get("replicas", spec.replicas)
     deployment = kube.get(kube.DEPLOYMENTS, namespace, name)
     pods = kube.list_labelled(kube.PODS, namespace, names.selector_labels(name))
-    fields, conditions = compute_status(name, spec.replicas, deployment, pods)
-    fields["desiredReplicas"] = spec.replicas
+    fields, conditions = compute_status(name, desired, deployment, pods)
+    fields["desiredReplicas"] = desired
     return write_status(namespace, name, fields, conditions, generation)
 
 

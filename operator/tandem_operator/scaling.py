@@ -28,6 +28,8 @@ def autoscale_step(body: dict, memo: Any, logger: logging.Logger | logging.Logge
     """Measure, decide and apply; returns the decision, or None when none was made (and why is in status)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
+    # The timer's body can lag behind our own last scaling patch: act on the server's copy.
+    body = kube.get(kube.HYBRIDMODELS, namespace, name) or body
     try:
         spec = parse_spec(body.get("spec"))
     except SpecError:
@@ -61,7 +63,8 @@ def autoscale_step(body: dict, memo: Any, logger: logging.Logger | logging.Logge
         fields.update(lastScaleTime=now_iso(), desiredReplicas=decision.replicas)
         message = (f"{spec.replicas} -> {decision.replicas} replicas: p95 inter-token latency "
                    f"{measured_ms:g} ms, target {target_ms:g} ms")
-        kopf.info(body, reason="ScaledUp" if decision.replicas > spec.replicas else "ScaledDown", message=message)
+        kopf.event(body, type="Normal", reason="ScaledUp" if decision.replicas > spec.replicas else "ScaledDown",
+                   message=message)
         logger.info("%s", message)
     write_status(namespace, name, fields, [condition(
         SCALING_ACTIVE, True, decision.reason,

@@ -51,7 +51,7 @@ async def cluster(kmock, tmp_path, monkeypatch) -> Cluster:
     }))
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     async with aiohttp.ClientSession() as session:
-        yield Cluster(str(kmock.url), session)
+        yield Cluster(str(kmock.url), session, kmock)
 
 
 @pytest.fixture

@@ -43,9 +43,10 @@ PDB = lambda name: core_path("poddisruptionbudgets", name, group="policy")  # no
 class Cluster:
     """HTTP calls to the KMock API server, and polling until something becomes true."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession):
+    def __init__(self, url: str, session: aiohttp.ClientSession, kmock: Any = None):
         self.url = url.rstrip("/")
         self.session = session
+        self.kmock = kmock
 
     async def request(self, method: str, path: str, body: Any = None,
                       content_type: str = "application/merge-patch+json") -> tuple[int, Any]:
@@ -80,8 +81,14 @@ class Cluster:
         return await self.create(model_path(), body)
 
     async def events(self, reason: str) -> list[dict]:
-        reply = await self.get(core_path("events"))
-        return [e for e in (reply or {}).get("items", []) if e.get("reason") == reason]
+        """Events posted with `reason`, from the server's request log.
+
+        Not from the stored objects: KMock keys objects by name and kopf's events have only a
+        generateName, so KMock keeps just the first one.
+        """
+        posted = [r.data for r in list(self.kmock)
+                  if str(r.method).upper().endswith("POST") and r.url.path.endswith("/events")]
+        return [e for e in posted if isinstance(e, dict) and e.get("reason") == reason]
 
 
 async def wait_for(check: Callable[[], Any | Awaitable[Any]], timeout: float = 10.0, what: str = "") -> Any:

@@ -67,7 +67,7 @@ async def test_spec_change_rolls_out_and_drift_is_repaired(cluster, operator):
     await cluster.delete(SERVICE("qwen"))
     service = await wait_for(lambda: cluster.get(SERVICE("qwen")), what="the Service recreated")
     assert service["spec"]["selector"] == {names.MODEL_LABEL: "qwen"}
-    assert await cluster.events("DriftRepaired")
+    await wait_for(lambda: cluster.events("DriftRepaired"), what="a DriftRepaired event")
 
 
 async def test_delete_removes_children(cluster, operator):
@@ -122,7 +122,7 @@ async def test_invalid_spec_is_reported_not_applied(cluster, operator):
     model = await wait_for(failed, what="phase Failed")
     assert condition(model, "Degraded")["reason"] == "InvalidSpec"
     assert "spec.replicas" in condition(model, "Degraded")["message"]
-    assert await cluster.events("InvalidSpec")
+    await wait_for(lambda: cluster.events("InvalidSpec"), what="an InvalidSpec event")
     assert await cluster.get(DEPLOYMENT("bad")) is None
 
 
