@@ -202,3 +202,11 @@ def test_bad_batches_are_refused(layers, kernel):
         ex.forward(3, hidden[:, :10], ids, weights)
     with pytest.raises(ValueError, match="must match topk_ids"):
         ex.forward(3, hidden, ids, weights[:, :1])
+
+
+def test_without_the_native_kernel_auto_falls_back_and_native_refuses(layers, monkeypatch):
+    monkeypatch.setattr(native, "load_kernel", lambda: None)
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "no compiler")
+    assert make_expert_executor(layers, kernel="auto", threads=2).kernel == "torch"
+    with pytest.raises(RuntimeError, match="native expert kernel unavailable: no compiler"):
+        make_expert_executor(layers, kernel="native", threads=2)
