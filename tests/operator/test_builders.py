@@ -1,0 +1,167 @@
+"""Pure builder tests: affinity, QoS, volumes, security context and probes, for several specs."""
+
+from __future__ import annotations
+
+import kubernetes_validate.utils
+import pytest
+from kubernetes.utils import parse_quantity
+
+from tandem import contract
+from tandem_operator import names, placement
+from tandem_operator.children import build_children
+from tandem_operator.spec import parse_spec
+
+BASE = {"model": {"path": "mixtral", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+        "image": "ghcr.io/example/tandem:0.1.0"}
+SPECS = {
+    "defaults": BASE,
+    "hostpath-int8": {**BASE, "model": {"path": "", "volume": {"hostPath": {"path": "/srv/models", "type": "Directory"}}},
+                      "experts": {"cpus": 48, "memory": "384Gi", "threads": 46, "quantization": "int8"},
+                      "attention": {"gpus": 2, "cpus": 8, "memory": "64Gi"}, "replicas": 3},
+    "custom-placement": {**BASE, "placement": {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["moe"]}]}]}},
+        "tolerations": [], "nodeSelector": {"topology.kubernetes.io/zone": "a"}, "onePerNode": False},
+        "kvCache": {"cpuTierGiB": 0, "blockSize": 32, "gpuMemoryFraction": 0.5}},
+    "nfs-volume": {**BASE, "model": {"path": "org/model", "volume": {"nfs": {"server": "nfs", "path": "/m"}}},
+                   "imagePullSecrets": [{"name": "registry"}], "imagePullPolicy": "Always"},
+}
+
+
+def children(raw: dict) -> dict[str, dict]:
+    return {c["kind"]: c for c in build_children(parse_spec(raw), "mx", "ns")}
+
+
+def pod_spec(raw: dict) -> dict:
+    return children(raw)["Deployment"]["spec"]["template"]["spec"]
+
+
+def containers(raw: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in pod_spec(raw)["containers"]}
+
+
+def qos_class(spec: dict) -> str:
+    """The pod's QoS class by the kubelet's rules (v1 qos.GetPodQOS, for cpu and memory)."""
+    every = [c.get("resources", {}) for c in spec["containers"]]
+    guaranteed = all(
+        r.get("limits", {}).get(res) is not None
+        and parse_quantity(r.get("requests", {}).get(res, r["limits"][res])) == parse_quantity(r["limits"][res])
+        for r in every for res in ("cpu", "memory"))
+    if guaranteed:
+        return "Guaranteed"
+    return "Burstable" if any(r.get("requests") or r.get("limits") for r in every) else "BestEffort"
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_children_are_valid_kubernetes_objects(name):
+    for child in children(SPECS[name]).values():
+        kubernetes_validate.utils.validate(child, "1.31.0", strict=True)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_pod_is_guaranteed_with_whole_cpus(name):
+    spec = pod_spec(SPECS[name])
+    assert qos_class(spec) == "Guaranteed"
+    for container in spec["containers"]:
+        cpu = container["resources"]["requests"]["cpu"]
+        assert parse_quantity(cpu) == int(parse_quantity(cpu)), "the static CPU manager pins integer CPUs only"
+    attention = containers(SPECS[name])["attention"]
+    assert attention["resources"]["limits"]["nvidia.com/gpu"] == str(parse_spec(SPECS[name]).attention.gpus)
+    assert "nvidia.com/gpu" not in containers(SPECS[name])["experts"]["resources"]["limits"]
+
+
+def test_qos_check_can_fail():
+    spec = pod_spec(BASE)
+    spec["containers"][1]["resources"]["requests"]["cpu"] = "1"
+    assert qos_class(spec) == "Burstable"
+
+
+def test_default_placement_is_amd_single_numa_gpu_one_per_node():
+    spec = pod_spec(BASE)
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    (term,) = terms
+    expressions = {e["key"]: (e["operator"], e["values"]) for e in term["matchExpressions"]}
+    assert expressions == {placement.CPU_VENDOR_LABEL: ("In", ["AMD"]),
+                           placement.NUMA_LABEL: ("NotIn", ["true"]),
+                           placement.GPU_PRESENT_LABEL: ("In", ["true"])}
+    (anti,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti == {"labelSelector": {"matchLabels": {names.MODEL_LABEL: "mx"}},
+                    "topologyKey": "kubernetes.io/hostname"}
+    assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "nodeSelector" not in spec
+
+
+def test_placement_overrides_replace_defaults():
+    spec = pod_spec(SPECS["custom-placement"])
+    assert spec["affinity"] == {"nodeAffinity": SPECS["custom-placement"]["placement"]["nodeAffinity"]}
+    assert spec["tolerations"] == []
+    assert spec["nodeSelector"] == {"topology.kubernetes.io/zone": "a"}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_volumes_and_mounts(name):
+    spec = pod_spec(SPECS[name])
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    model_source = {k: v for k, v in volumes["model"].items() if k != "name"}
+    assert model_source == SPECS[name]["model"]["volume"]
+    assert volumes["kv-cpu-tier"]["emptyDir"]["medium"] == "Memory"
+    tier = parse_spec(SPECS[name]).kvCache.cpuTierGiB
+    assert volumes["kv-cpu-tier"]["emptyDir"].get("sizeLimit") == (f"{tier}Gi" if tier else None)
+    assert "emptyDir" in volumes["sockets"]
+    for container in spec["containers"]:
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
+        assert mounts["kv-cpu-tier"]["mountPath"] == contract.KV_SHM_PATH
+        assert contract.EXPERTS_SOCKET.removeprefix("unix:").startswith(mounts["sockets"]["mountPath"] + "/")
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_security_context(name):
+    spec = pod_spec(SPECS[name])
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+    assert spec["automountServiceAccountToken"] is False
+    for container in spec["containers"]:
+        ctx = container["securityContext"]
+        assert ctx["readOnlyRootFilesystem"] is True
+        assert ctx["allowPrivilegeEscalation"] is False
+        assert ctx["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_probes_use_grpc_health():
+    attention, experts = containers(BASE)["attention"], containers(BASE)["experts"]
+    assert attention["readinessProbe"]["grpc"] == {"port": contract.GRPC_PORT, "service": contract.INFERENCE_SERVICE}
+    assert attention["livenessProbe"]["grpc"]["port"] == contract.GRPC_PORT
+    assert attention["startupProbe"]["failureThreshold"] * attention["startupProbe"]["periodSeconds"] >= 600
+    command = experts["readinessProbe"]["exec"]["command"]
+    assert contract.EXPERTS_SOCKET in command and contract.EXPERTS_SERVICE in command
+    # The probe script is valid Python that asks the gRPC health service.
+    script = command[command.index("-c") + 1]
+    compile(script, "probe", "exec")
+    assert "HealthStub" in script
+
+
+def test_container_commands_follow_the_contract():
+    spec = parse_spec(SPECS["hostpath-int8"])
+    attention, experts = containers(SPECS["hostpath-int8"])["attention"], containers(SPECS["hostpath-int8"])["experts"]
+
+    def flag(container, name):
+        args = container["args"]
+        return args[args.index(contract.SERVE_FLAGS[name]) + 1]
+
+    assert attention["command"] == ["tandem"] and attention["args"][0] == "serve"
+    assert flag(attention, "role") == "attention" and flag(experts, "role") == "experts"
+    assert flag(attention, "experts") == contract.EXPERTS_SOCKET == flag(experts, "listen")
+    assert flag(attention, "model") == flag(experts, "model") == "/models"
+    assert flag(experts, "threads") == "46" and flag(experts, "expert_quant") == "int8"
+    assert flag(attention, "metrics_port") != flag(experts, "metrics_port")
+    assert spec.replicas == children(SPECS["hostpath-int8"])["Deployment"]["spec"]["replicas"] == 3
+
+
+def test_service_and_pdb_select_the_pods():
+    kids = children(BASE)
+    pod_labels = kids["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    for selector in (kids["Service"]["spec"]["selector"], kids["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
+                     kids["Deployment"]["spec"]["selector"]["matchLabels"]):
+        assert selector.items() <= pod_labels.items()
+    ports = {p["name"]: p["port"] for p in kids["Service"]["spec"]["ports"]}
+    assert ports == {"grpc": contract.GRPC_PORT, "metrics": contract.METRICS_PORT}

@@ -1,0 +1,124 @@
+"""The CRD: its openAPIV3Schema accepts good specs and rejects bad ones, as parse_spec does,
+and its defaults equal the operator's."""
+
+from __future__ import annotations
+
+import copy
+
+import jsonschema
+import pytest
+from hm_cluster import crd_schema, hybrid_model, load_crd
+
+from tandem_operator import names
+from tandem_operator.spec import SpecError, parse_spec
+
+GOOD = {
+    "minimal": {},
+    "hostpath": {"model": {"path": "", "volume": {"hostPath": {"path": "/srv/m"}}}},
+    "autoscaled-pods": {"autoscaling": {"enabled": True, "maxReplicas": 4, "targetP95InterTokenLatencyMs": 80}},
+    "autoscaled-prometheus": {"autoscaling": {"enabled": True, "maxReplicas": 2, "targetP95InterTokenLatencyMs": 5.5,
+                                              "metrics": {"source": "Prometheus",
+                                                          "prometheus": {"url": "http://prom:9090"}}}},
+    "tuned": {"kvCache": {"blockSize": 64, "gpuMemoryFraction": 1, "cpuTierGiB": 0},
+              "experts": {"cpus": 1, "memory": "1.5Gi", "threads": 2, "quantization": "int4"}},
+}
+# Each breaks one rule the schema itself can express (CEL rules are checked in parse_spec).
+BAD = {
+    "no-image": ({"image": None}, "image"),
+    "absolute-path": ({"model": {"path": "/etc", "volume": {"emptyDir": {}}}}, "path"),
+    "escaping-path": ({"model": {"path": "a/../../etc", "volume": {"emptyDir": {}}}}, "path"),
+    "two-volume-sources": ({"model": {"volume": {"emptyDir": {}, "hostPath": {"path": "/x"}}}}, "volume"),
+    "negative-replicas": ({"replicas": -1}, "replicas"),
+    "fractional-cpus": ({"experts": {"cpus": 1.5}}, "cpus"),
+    "bad-memory": ({"experts": {"memory": "lots"}}, "memory"),
+    "zero-gpus": ({"attention": {"gpus": 0}}, "gpus"),
+    "zero-gpu-fraction": ({"kvCache": {"gpuMemoryFraction": 0}}, "gpuMemoryFraction"),
+    "unknown-quant": ({"experts": {"quantization": "fp4"}}, "quantization"),
+    "bad-source": ({"autoscaling": {"metrics": {"source": "Datadog"}}}, "source"),
+    "bad-url": ({"autoscaling": {"metrics": {"prometheus": {"url": "prom:9090"}}}}, "url"),
+}
+# Cross-field rules: CEL in the CRD (x-kubernetes-validations), enforced again by parse_spec.
+BAD_CEL = {
+    "enabled-without-target": {"autoscaling": {"enabled": True, "maxReplicas": 3}},
+    "min-above-max": {"autoscaling": {"minReplicas": 5, "maxReplicas": 3}},
+    "prometheus-without-url": {"autoscaling": {"metrics": {"source": "Prometheus"}}},
+}
+
+
+def body(overrides: dict) -> dict:
+    model = hybrid_model("m")
+    for key, value in overrides.items():
+        if value is None:
+            model["spec"].pop(key, None)
+        else:
+            model["spec"][key] = value
+    return model
+
+
+@pytest.mark.parametrize("name", GOOD)
+def test_good_specs_pass_schema_and_parser(name):
+    model = body(GOOD[name])
+    jsonschema.Draft4Validator(crd_schema()).validate(model)
+    parse_spec(model["spec"])
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_specs_fail_schema_and_parser(name):
+    overrides, field = BAD[name]
+    model = body(overrides)
+    errors = list(jsonschema.Draft4Validator(crd_schema()).iter_errors(model))
+    assert errors, f"the CRD schema accepted {name}"
+    with pytest.raises(SpecError, match=field):
+        parse_spec(model["spec"])
+
+
+@pytest.mark.parametrize("name", BAD_CEL)
+def test_cross_field_rules_are_declared_and_enforced(name):
+    rules = [r["rule"] for r in _walk_validations(crd_schema())]
+    assert len(rules) == 3
+    with pytest.raises(SpecError, match="autoscaling|metrics"):
+        parse_spec(body(BAD_CEL[name])["spec"])
+
+
+def test_names_scale_and_printer_columns():
+    crd = load_crd()
+    assert crd["metadata"]["name"] == f"{names.PLURAL}.{names.GROUP}"
+    spec = crd["spec"]
+    assert (spec["group"], spec["names"]["kind"], spec["names"]["plural"]) == (names.GROUP, names.KIND, names.PLURAL)
+    assert spec["names"]["shortNames"] == ["hm"] and spec["scope"] == "Namespaced"
+    (version,) = spec["versions"]
+    assert version["name"] == names.VERSION
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
+    assert "status" in version["subresources"]
+    columns = {c["name"] for c in version["additionalPrinterColumns"]}
+    assert {"Phase", "Ready", "Desired", "P95-ITL-ms", "Age"} <= columns
+
+
+def test_crd_defaults_equal_the_operators():
+    """Apply the schema's defaults as the API server would, then compare with parse_spec's."""
+    schema = crd_schema()["properties"]["spec"]
+    minimal = {"model": {"volume": {"emptyDir": {}}}, "image": "x"}
+    defaulted = _apply_defaults(schema, copy.deepcopy(minimal))
+    assert parse_spec(defaulted) == parse_spec(minimal)
+    assert defaulted["attention"]["memory"] == parse_spec(minimal).attention.memory
+    assert defaulted["autoscaling"]["metrics"]["source"] == "Pods"
+
+
+def _apply_defaults(schema: dict, value):
+    if schema.get("type") == "object" and isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = _apply_defaults(sub, value[key])
+    return value
+
+
+def _walk_validations(schema: dict):
+    yield from schema.get("x-kubernetes-validations", [])
+    for sub in (schema.get("properties") or {}).values():
+        yield from _walk_validations(sub)
+    if isinstance(schema.get("items"), dict):
+        yield from _walk_validations(schema["items"])
