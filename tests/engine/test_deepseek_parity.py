@@ -8,9 +8,13 @@ layers and non-interleaved rope.
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 from test_parity import hf_greedy, prompt_for, tandem_greedy
 
+from tandem.cli import main
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 
@@ -71,3 +75,35 @@ def test_preemption_swaps_latent_blocks_to_cpu_tier_and_back(demo_model_dir):
     for prompt, result in zip(prompts, results):
         [alone], _, _ = tandem_greedy(model_dir, [prompt], 32)
         assert result.token_ids == alone
+
+
+def test_bfloat16_tracks_transformers(demo_model_dir):
+    # As for the other architectures: logits within a few bf16 ulps (0.03 at |logit| ~6), tokens
+    # equal until the reference meets a near-tie (top-2 margin within that tolerance).
+    model_dir = demo_model_dir("deepseek_v3", initializer_range=0.2)
+    tol, checked = 0.15, 0
+    for seed in range(2, 6):
+        prompt = prompt_for(seed, 9)
+        ref_tokens, ref_logits = hf_greedy(model_dir, prompt, 8, dtype=torch.bfloat16)
+        [tokens], [logits], _ = tandem_greedy(model_dir, [prompt], 8, dtype="bfloat16")
+        assert (logits[0] - ref_logits[0]).abs().max().item() < tol
+        for i, ref in enumerate(ref_tokens):
+            top2 = ref_logits[i].topk(2).values
+            if top2[0] - top2[1] < tol:
+                break
+            assert tokens[i] == ref, f"prompt {seed}, position {i}"
+            assert (logits[i] - ref_logits[i]).abs().max().item() < tol
+            checked += 1
+    assert checked >= 4, "too few positions without near-ties to say anything"
+
+
+def test_cli_makes_and_serves_a_deepseek_demo(tmp_path, capsys):
+    out = tmp_path / "ds"
+    assert main(["make-demo-model", str(out), "--arch", "deepseek_v3"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["q_lora_rank"] == 32
+    assert config["rope_parameters"]["rope_type"] == "yarn"
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "--prompt-ids", "5,6,7", "--max-tokens", "6", "--device", "cpu",
+                 "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 6
