@@ -1,0 +1,66 @@
+"""Quantized experts inside the whole model: greedy tokens agree with the unquantized model.
+
+Agreement is measured with teacher forcing: at every position of the unquantized model's greedy
+continuation, the quantized model is given the same prefix and must pick the same next token.
+(Free-running comparison would let one early near-tie flip every later position.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.experts.factory import make_expert_executor
+from tandem.experts.torch_executor import TorchExpertExecutor
+from tandem.model.loader import load_expert_weights
+
+GEN = 12
+PROMPTS = [[5, 17, 42, 9, 100, 3], [250, 7, 7, 81], [11, 12, 13, 14, 15, 16, 17, 18], [300, 2 + 1, 64, 128, 200]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tandem.demo import make_demo_model
+
+    # A larger init spread than the default gives logits with real margins, as a trained model has.
+    return make_demo_model(tmp_path_factory.mktemp("mixtral"), arch="mixtral", initializer_range=0.2)
+
+
+def engine(model_dir, quant: str) -> LLMEngine:
+    return LLMEngine.from_pretrained(model_dir, device="cpu", dtype="float32", expert_quant=quant, expert_threads=2)
+
+
+def greedy(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [c.token_ids for c in eng.generate(prompts, params)]
+
+
+# int8 must meet the issue's 95%. int4 on random Gaussian weights (14% error per MoE layer, see
+# test_experts_cpu) flips many of this tiny random model's narrow margins, so its bar only says
+# "mostly the same model": a broken int4 kernel agrees on ~1/vocab of positions.
+@pytest.mark.parametrize("quant,min_agreement", [("int8", 0.95), ("int4", 0.5)])
+def test_quantized_greedy_tokens_agree_with_unquantized(model_dir, quant, min_agreement):
+    reference = greedy(engine(model_dir, "none"), PROMPTS, GEN)
+    quantized = engine(model_dir, quant)
+    forced = [p + ref[:i] for p, ref in zip(PROMPTS, reference) for i in range(GEN)]
+    got = [t[0] for t in greedy(quantized, forced, 1)]
+    want = [ref[i] for ref in reference for i in range(GEN)]
+    agreement = sum(g == w for g, w in zip(got, want)) / len(want)
+    assert agreement >= min_agreement, f"{quant}: {agreement:.0%} of {len(want)} positions agree"
+
+
+def test_int8_expert_outputs_on_real_checkpoint_weights_are_close(model_dir):
+    # The bound the token test rests on, on the checkpoint's own weights: per MoE layer, int8
+    # experts stay within 3% (relative) of the float32 ones (see test_experts_cpu for why 3%).
+    layers = load_expert_weights(model_dir, dtype=torch.float32)
+    exact, int8 = TorchExpertExecutor(layers), make_expert_executor(layers, quant="int8", threads=2)
+    g = torch.Generator().manual_seed(0)
+    for layer, w in layers.items():
+        hidden = torch.randn(8, w.gate_up.shape[2], generator=g)
+        ids = torch.stack([torch.randperm(w.num_experts, generator=g)[:2] for _ in range(8)])
+        weights = torch.full((8, 2), 0.5)
+        want = exact.forward(layer, hidden, ids, weights)
+        err = (int8.forward(layer, hidden, ids, weights) - want).norm() / want.norm()
+        assert 0 < err < 0.03
