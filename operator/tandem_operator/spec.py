@@ -26,7 +26,7 @@ _MODEL_PATH = re.compile(r"^$|^[A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*(/[A-Za-z0-9_
 _QUANTITY = re.compile(
     r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[kMGTPE]|([eE](\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 _URL = re.compile(r"^https?://\S+$")
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("bfloat16", "float32")  # what `tandem serve --dtype` accepts
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 METRICS_SOURCES = ("Pods", "Prometheus")
 
