@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
-import transformers
 
 from tandem.kv.attention import AttentionMetadata, write_kv
 from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
-from tandem.model.config import from_hf_config
+from tandem.model.config import load_config
 from tandem.model.deepseek_attention import LATENT, MlaAttention, apply_rope_interleaved
 from tandem.model.deepseek_config import MlaDims
 from tandem.model.deepseek_mla import absorbed_attention, expanded_attention, paged_latent_attention
@@ -84,10 +86,100 @@ def test_interleaved_rope_matches_transformers():
     torch.testing.assert_close(apply_rope_interleaved(k, cos, sin), ref_k[0].transpose(0, 1))
 
 
+# DeepSeek-V3's published config.json (deepseek-ai/DeepSeek-V3, also DeepSeek-R1's), verbatim.
+PUBLISHED_CONFIG = json.loads("""
+{
+ "architectures": [
+  "DeepseekV3ForCausalLM"
+ ],
+ "attention_bias": false,
+ "attention_dropout": 0.0,
+ "auto_map": {
+  "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+  "AutoModel": "modeling_deepseek.DeepseekV3Model",
+  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"
+ },
+ "aux_loss_alpha": 0.001,
+ "bos_token_id": 0,
+ "eos_token_id": 1,
+ "ep_size": 1,
+ "first_k_dense_replace": 3,
+ "hidden_act": "silu",
+ "hidden_size": 7168,
+ "initializer_range": 0.02,
+ "intermediate_size": 18432,
+ "kv_lora_rank": 512,
+ "max_position_embeddings": 163840,
+ "model_type": "deepseek_v3",
+ "moe_intermediate_size": 2048,
+ "moe_layer_freq": 1,
+ "n_group": 8,
+ "n_routed_experts": 256,
+ "n_shared_experts": 1,
+ "norm_topk_prob": true,
+ "num_attention_heads": 128,
+ "num_experts_per_tok": 8,
+ "num_hidden_layers": 61,
+ "num_key_value_heads": 128,
+ "num_nextn_predict_layers": 1,
+ "pretraining_tp": 1,
+ "q_lora_rank": 1536,
+ "qk_nope_head_dim": 128,
+ "qk_rope_head_dim": 64,
+ "quantization_config": {
+  "activation_scheme": "dynamic",
+  "fmt": "e4m3",
+  "quant_method": "fp8",
+  "weight_block_size": [
+   128,
+   128
+  ]
+ },
+ "rms_norm_eps": 1e-06,
+ "rope_scaling": {
+  "beta_fast": 32,
+  "beta_slow": 1,
+  "factor": 40,
+  "mscale": 1.0,
+  "mscale_all_dim": 1.0,
+  "original_max_position_embeddings": 4096,
+  "type": "yarn"
+ },
+ "rope_theta": 10000,
+ "routed_scaling_factor": 2.5,
+ "scoring_func": "sigmoid",
+ "seq_aux": true,
+ "tie_word_embeddings": false,
+ "topk_group": 4,
+ "topk_method": "noaux_tc",
+ "torch_dtype": "bfloat16",
+ "transformers_version": "4.46.3",
+ "use_cache": true,
+ "v_head_dim": 128,
+ "vocab_size": 129280
+}
+""")
+
+
+@pytest.fixture
+def published(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_CONFIG))
+    return load_config(tmp_path)
+
+
+def test_published_config_is_read(published):
+    cfg = published
+    assert cfg.architecture == "DeepseekV3ForCausalLM" and cfg.fp8_block_size == (128, 128)
+    assert cfg.moe_layers == tuple(range(3, 61)) and (cfg.num_experts, cfg.top_k) == (256, 8)
+    assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == (8, 4, 2.5)
+    assert cfg.mla.q_lora_rank == 1536 and cfg.mla.rope_interleave
+    mscale = 0.1 * math.log(40) + 1.0  # YaRN factor 40, mscale_all_dim 1
+    assert cfg.mla.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_latent_cache_bytes_per_token_for_real_deepseek_v3(dtype):
-    # transformers' defaults are DeepSeek-V3's published dimensions.
-    cfg = from_hf_config("DeepseekV3ForCausalLM", transformers.DeepseekV3Config())
+def test_latent_cache_bytes_per_token_for_real_deepseek_v3(published, dtype):
+    cfg = published
     assert (cfg.num_layers, cfg.num_heads, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) == (61, 128, 512, 64)
     elem = torch.empty((), dtype=dtype).element_size()
     latent = KVLayout(MlaAttention.kv_entries(cfg), cfg.num_layers, dtype).bytes_per_token()

@@ -38,7 +38,8 @@ def deepseek_fields(hf, num_layers: int) -> dict:
     """The ModelConfig fields that differ from the defaults for a `DeepseekV3ForCausalLM` checkpoint."""
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ModelError(f"hidden_act {hf.hidden_act!r} is not supported; DeepSeek-V3 uses 'silu'")
-    experts, groups, topk_group, top_k = hf.n_routed_experts, hf.n_group or 1, hf.topk_group or 1, hf.num_experts_per_tok
+    experts, top_k = hf.n_routed_experts, hf.num_experts_per_tok
+    groups, topk_group = hf.n_group or 1, hf.topk_group or 1
     _check_routing(experts, groups, topk_group, top_k)
     dense = hf.first_k_dense_replace or 0
     if not 0 <= dense <= num_layers:
