@@ -1,113 +1,15 @@
-"""Fixtures for the operator tests: KMock as the API server, the operator itself, a metrics endpoint."""
+"""Fixtures for the operator tests: KMock as the API server, the operator itself, a real `tandem serve`."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
-from dataclasses import dataclass
-
-import aiohttp
-import kopf
 import pytest
-import yaml
-from kopf.testing import KopfRunner
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
-from tandem import contract
-from tandem_operator import handlers
-
-from hm_cluster import NS, Cluster, load_crd
-
-# Fast timers for tests; the resync timer is kept out of the way so drift repair is shown to
-# come from watch events, not from periodic polling.
-AUTOSCALE_INTERVAL = 0.2
-RESYNC_INTERVAL = 3600.0
+from kopf_fixtures import cluster, operator  # noqa: F401 (fixtures, re-exported for pytest)
+from tandem_serve import tandem_serve
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-async def cluster(kmock, tmp_path, monkeypatch) -> Cluster:
-    """KMock with the built-in resources and the HybridModel CRD, and a kubeconfig pointing at it."""
-    kmock.resources.load_bundled()
-    crd = load_crd()["spec"]
-    version = crd["versions"][0]
-    kmock.resources[f"{crd['group']}/{version['name']}/{crd['names']['plural']}"] = kmock.ResourceInfo(
-        kind=crd["names"]["kind"], namespaced=crd["scope"] == "Namespaced",
-        singular=crd["names"]["singular"], shortnames=set(crd["names"]["shortNames"]),
-        verbs={"get", "list", "watch", "create", "patch", "delete"},
-        subresources=set(version["subresources"]))
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-        "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
-        "users": [{"name": "kmock", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": NS}}],
-    }))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    async with aiohttp.ClientSession() as session:
-        yield Cluster(str(kmock.url), session, kmock)
-
-
-@pytest.fixture
-async def operator(cluster):
-    """The real operator (all its handlers, fast timers) running against KMock over HTTP."""
-    registry = handlers.register(kopf.OperatorRegistry(), autoscale_interval=AUTOSCALE_INTERVAL,
-                                 resync_interval=RESYNC_INTERVAL)
-
-    @kopf.on.startup(registry=registry)
-    def kmock_settings(settings: kopf.OperatorSettings, **_):
-        # Per-object workers idle 5 s before exiting, and shutdown waits for them: keep it short.
-        settings.queueing.idle_timeout = 0.2
-        settings.queueing.exit_timeout = 0.5
-        # KMock never changes resourceVersion, so kopf cannot recognise its own patches' echo.
-        settings.persistence.consistency_timeout = 0.5
-
-    runner = KopfRunner(["run", "--standalone", "--all-namespaces", "--verbose"], registry=registry, timeout=30)
-    await asyncio.to_thread(runner.__enter__)
-    try:
-        yield runner
-    finally:
-        await asyncio.to_thread(runner.__exit__, None, None, None)
-
-
-@dataclass
-class MetricsEndpoint:
-    """A live /metrics endpoint with the inter-token latency histogram that `tandem serve` exposes."""
-
-    port: int
-    histogram: Histogram
-    lock: threading.Lock
-
-    def observe(self, seconds: float, times: int = 1) -> None:
-        with self.lock:
-            for _ in range(times):
-                self.histogram.observe(seconds)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/metrics"
-
-
-@pytest.fixture
-def metrics_endpoint():
-    """A real HTTP metrics server (prometheus_client) on a free loopback port.
-
-    It serves the same histogram, by name and buckets (tandem.contract), as `tandem serve`'s
-    metrics endpoint; tests drive it by observing latencies directly.
-    """
-    registry = CollectorRegistry()
-    histogram = Histogram(contract.INTER_TOKEN_LATENCY, "Time between consecutive generated tokens.",
-                          buckets=contract.LATENCY_BUCKETS, registry=registry)
-    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
-    try:
-        yield MetricsEndpoint(port=server.server_port, histogram=histogram, lock=threading.Lock())
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+@pytest.fixture(scope="module")
+def tandem_server(tmp_path_factory):
+    """One real `tandem serve` (demo Mixtral, CPU) per test module; its metrics port is `.metrics_port`."""
+    with tandem_serve(tmp_path_factory.mktemp("tandem-serve")) as server:
+        yield server
