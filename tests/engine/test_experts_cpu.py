@@ -210,3 +210,22 @@ def test_without_the_native_kernel_auto_falls_back_and_native_refuses(layers, mo
     assert make_expert_executor(layers, kernel="auto", threads=2).kernel == "torch"
     with pytest.raises(RuntimeError, match="native expert kernel unavailable: no compiler"):
         make_expert_executor(layers, kernel="native", threads=2)
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_sizes_off_the_vector_width_use_the_tails(kernel_module, quant):
+    # H = 72 and I = 41 are not multiples of 16 (or 8): every kernel runs its scalar tail.
+    g = torch.Generator().manual_seed(5)
+    odd = {0: ExpertWeights(torch.randn(4, 82, 72, generator=g) / 8, torch.randn(4, 72, 41, generator=g) / 6)}
+    ex = CpuExpertExecutor(odd, quant=quant, kernel="native", threads=2)
+    hidden = torch.randn(5, 72, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]])
+    weights = torch.rand(5, 2, generator=g)
+    want = dequantized_reference(ex, 0).forward(0, hidden, ids, weights)
+    before = kernel_module.isa()
+    try:
+        for isa in kernel_module.supported_isas():
+            kernel_module.set_isa(isa)
+            torch.testing.assert_close(ex.forward(0, hidden, ids, weights), want, rtol=1e-5, atol=1e-5, msg=isa)
+    finally:
+        kernel_module.set_isa(before)
