@@ -22,6 +22,8 @@ _HELPERS = Path(__file__).resolve().parents[1] / "services" / "svc_helpers.py"
 
 def _svc_helpers():
     if "svc_helpers" not in sys.modules:
+        if not _HELPERS.is_file():
+            raise RuntimeError(f"{_HELPERS} is missing: the operator tests start `tandem serve` with its helpers")
         spec = importlib.util.spec_from_file_location("svc_helpers", _HELPERS)
         module = importlib.util.module_from_spec(spec)
         sys.modules["svc_helpers"] = module
