@@ -3,28 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
-import re
-import signal
-import subprocess
-import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
-
-STARTUP_TIMEOUT_S = 120  # two cores shared with other test runs: importing torch can be slow
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# Small KV so each server allocates megabytes, not the default gibibyte.
-SMALL_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--cpu-kv-gib", "0.01"]
-
+from svc_helpers import SERVING, STARTUP_TIMEOUT_S, ServeProcess, wait_health
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
@@ -87,84 +70,6 @@ async def start_server():
     for server in servers:
         if not server.task.done():
             await server.close()
-
-
-async def wait_health(address: str, status, service: str = "", timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    """Waits (Health.Watch, no polling) until `service` reports `status`."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        call = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=True)
-        async for response in call:
-            if response.status == status:
-                call.cancel()
-                return
-    raise AssertionError(f"health watch ended before {service or 'server'} reported {status}")
-
-
-async def generate(address: str, request: inference_pb2.GenerateRequest, timeout_s: float = 60):
-    """All GenerateResponses of one stream."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        return [r async for r in stub.Generate(request, timeout=timeout_s)]
-
-
-def greedy(prompt_ids, max_tokens: int = 8, **sampling) -> inference_pb2.GenerateRequest:
-    return inference_pb2.GenerateRequest(
-        prompt_token_ids=prompt_ids,
-        sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling))
-
-
-def token_ids(responses) -> list[int]:
-    return [t for r in responses for t in r.token_ids]
-
-
-# -- `tandem serve` subprocesses ----------------------------------------------------------------
-
-
-class ServeProcess:
-    """A real `tandem serve` process. Reads its log on a thread to learn the bound addresses."""
-
-    LISTENING = re.compile(r"listening on (\S+?)(?:;|$)(?:.*metrics on http://[^:]+:(\d+)/metrics)?")
-
-    def __init__(self, *args: str):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "serve", *args], stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.address, self.metrics_port = self._wait_listening()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def _wait_listening(self) -> tuple[str, int | None]:
-        while True:
-            try:
-                line = self._queue.get(timeout=STARTUP_TIMEOUT_S)
-            except queue.Empty:
-                raise RuntimeError(f"tandem serve did not start:\n{self.log()}") from None
-            if line is None:
-                raise RuntimeError(f"tandem serve exited ({self.proc.wait()}):\n{self.log()}")
-            if m := self.LISTENING.search(line):
-                return m[1], int(m[2]) if m[2] else None
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def terminate(self, timeout_s: float = 60) -> int:
-        """SIGTERM, then the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout_s)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture

@@ -22,8 +22,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(F["listen"], default=f"0.0.0.0:{contract.GRPC_PORT}",
                    help="host:port or unix:/path to listen on; port 0 picks a free one "
                         f"(default 0.0.0.0:{contract.GRPC_PORT})")
-    p.add_argument(F["metrics_port"], type=int, default=contract.METRICS_PORT,
-                   help=f"port of the Prometheus /metrics endpoint; 0 picks a free one (default {contract.METRICS_PORT})")
+    p.add_argument(F["metrics_port"], type=int,
+                   help="port of the Prometheus /metrics endpoint; 0 picks a free one (default "
+                        f"{contract.METRICS_PORT}, or {contract.EXPERTS_METRICS_PORT} for --role experts, "
+                        "which shares the pod's network with the attention role)")
     p.add_argument(F["role"], choices=contract.ROLES, default="all",
                    help="all: everything in one process (default); attention: all but the routed experts, "
                         "calling --experts; experts: only the routed experts")
@@ -54,8 +56,11 @@ def options_from_args(args):
     """ServeOptions from parsed flags; ValueError names the bad flag."""
     from tandem.rpc.server import ServeOptions
 
+    metrics_port = args.metrics_port
+    if metrics_port is None:
+        metrics_port = contract.EXPERTS_METRICS_PORT if args.role == "experts" else contract.METRICS_PORT
     return ServeOptions(
-        model=args.model, listen=args.listen, metrics_port=args.metrics_port, role=args.role,
+        model=args.model, listen=args.listen, metrics_port=metrics_port, role=args.role,
         experts=args.experts, kv_shm=args.kv_shm, device=args.device, dtype=args.dtype, threads=args.threads,
         block_size=args.block_size, gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib,
         expert_quant=args.expert_quant, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

@@ -234,6 +234,7 @@ class EngineLoop:
     def _abort(self, request_id: str, notify: bool) -> None:
         stream = self._streams.pop(request_id, None)
         output = self.engine.abort_request(request_id)
+        self.metrics.record_engine_stats(self.engine.stats())  # its blocks are free now
         if stream is None:
             return
         self.metrics.record_outcome("cancelled")

@@ -1,0 +1,193 @@
+"""The Inference service over real gRPC on real sockets, with the real engine on a tiny checkpoint.
+
+The server here is `tandem.rpc.server.serve`, the coroutine `tandem serve` runs, started in
+the test's event loop; test_split.py runs it as `tandem serve` processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem import contract
+from tandem.engine.llm_engine import EngineConfig, LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
+
+from svc_helpers import SERVING, generate, greedy, token_ids
+
+PROMPTS = [[5, 17, 42, 99], [7, 7, 300, 12, 88, 1], [250, 3]]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """What the engine itself generates, greedy, for PROMPTS and a text prompt."""
+    engine = LLMEngine.from_pretrained(model_dir("mixtral"), device="cpu",
+                                       config=EngineConfig(max_model_len=256, max_num_seqs=8, cpu_kv_gib=0.01))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids = [c.token_ids for c in engine.generate(PROMPTS, params)]
+    [text] = engine.generate([engine.encode("The expert said")], params)
+    return ids, text
+
+
+async def read_rest(call) -> list:
+    """The remaining responses of a call already read with read() (gRPC forbids mixing in iteration)."""
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
+def scrape(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        families = text_string_to_metric_families(r.read().decode())
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+async def test_concurrent_streams_match_the_engine(start_server, model_dir, reference, tmp_path):
+    ids, text = reference
+    server = await start_server(model=str(model_dir("mixtral")), listen=f"unix:{tmp_path}/inference.sock")
+    streams = await asyncio.gather(*(generate(server.address, greedy(p)) for p in PROMPTS))
+    assert [token_ids(s) for s in streams] == ids
+    for stream, prompt in zip(streams, PROMPTS):
+        assert [len(r.token_ids) for r in stream] == [1] * 8  # streamed token by token
+        assert [r.finish_reason for r in stream] == [""] * 7 + ["length"]
+        assert stream[-1].usage.prompt_tokens == len(prompt) and stream[-1].usage.completion_tokens == 8
+        assert not stream[0].HasField("usage")
+    by_text = await generate(server.address, inference_pb2.GenerateRequest(
+        prompt="The expert said", request_id="mine",
+        sampling=inference_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+    assert token_ids(by_text) == text.token_ids
+    assert "".join(r.text for r in by_text) == text.text
+    assert {r.request_id for r in by_text} == {"mine"}
+
+
+BAD_REQUESTS = [
+    (inference_pb2.GenerateRequest(), "prompt"),
+    (inference_pb2.GenerateRequest(prompt="hi", prompt_token_ids=[1]), "prompt"),
+    (greedy([5, 10_000]), "prompt_token_ids"),
+    (greedy([5], max_tokens=0), "max_tokens"),
+    (greedy([5], max_tokens=300), "max_tokens"),  # beyond the 256-token context
+    (greedy([5], top_p=1.5), "top_p"),
+    (greedy([5], top_k=-1), "top_k"),
+    (inference_pb2.GenerateRequest(prompt_token_ids=[5], sampling=inference_pb2.SamplingParams(temperature=-1)),
+     "temperature"),
+]
+
+
+async def test_bad_requests_are_invalid_argument_naming_the_field(start_server, model_dir):
+    server = await start_server(model=str(model_dir("mixtral")), metrics_port=0)
+    for request, field_name in BAD_REQUESTS:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(server.address, request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+        assert err.value.details().startswith(f"{field_name}:"), (request, err.value.details())
+    metrics = scrape(server.metrics_port)
+    assert metrics[(contract.REQUESTS + "_total", (("outcome", "invalid_argument"),))] == len(BAD_REQUESTS)
+    assert token_ids(await generate(server.address, greedy([5]))) != []  # still serving
+
+
+async def test_full_waiting_queue_is_resource_exhausted(start_server, model_dir):
+    server = await start_server(model=str(model_dir("mixtral")), max_num_seqs=1, max_waiting=1, metrics_port=0)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        running = stub.Generate(greedy([5, 6], max_tokens=250))
+        await running.read()  # running now; the one-sequence batch is full
+        waiting = stub.Generate(greedy([7, 8], max_tokens=4))
+        refused = stub.Generate(greedy([9, 10], max_tokens=4))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await refused.read()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "waiting" in err.value.details()
+        running.cancel()
+        assert token_ids(await read_rest(waiting)) != []
+    metrics = scrape(server.metrics_port)
+    assert metrics[(contract.REQUESTS + "_total", (("outcome", "resource_exhausted"),))] == 1
+
+
+async def test_cancelled_stream_frees_its_kv_blocks(start_server, model_dir):
+    server = await start_server(model=str(model_dir("mixtral")), metrics_port=0)
+    used = (contract.KV_BLOCKS_USED, (("tier", "device"),))
+    cancelled = (contract.REQUESTS + "_total", (("outcome", "cancelled"),))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(greedy(list(range(3, 60)), max_tokens=150))
+        await call.read()
+        await call.read()  # decoding: its blocks are in use
+        assert scrape(server.metrics_port)[used] >= 4
+        call.cancel()
+    metrics = await eventually(lambda: scrape(server.metrics_port), lambda m: m[cancelled] == 1)
+    assert metrics[used] == 0
+    assert metrics[(contract.RUNNING_REQUESTS, ())] == 0
+
+
+async def eventually(read, done, timeout_s: float = 30):
+    """Reads until `done(value)`: the server aborts a cancelled request asynchronously."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not done(value := read()):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not reached in {timeout_s} s; last value {value}")
+        await asyncio.sleep(0.02)
+    return value
+
+
+async def test_tokenize_model_info_health_and_reflection(start_server, model_dir):
+    path = model_dir("mixtral")
+    server = await start_server(model=str(path))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        tokens = await stub.Tokenize(inference_pb2.TokenizeRequest(text="The expert said"))
+        info = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", contract.INFERENCE_SERVICE):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == SERVING
+    from tokenizers import Tokenizer
+
+    expected = Tokenizer.from_file(str(path / "tokenizer.json")).encode("The expert said").ids
+    assert list(tokens.token_ids) == expected
+    assert info.architecture == "MixtralForCausalLM" and info.max_model_len == 256 and info.num_layers == 2
+    assert info.has_tokenizer and info.role == "all" and info.device == "cpu" and info.dtype == "float32"
+    assert info.vocab_size == Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
+    services = await asyncio.to_thread(list_services, server.address)
+    assert {contract.INFERENCE_SERVICE, "grpc.health.v1.Health"} <= set(services)
+
+
+def list_services(address: str) -> list[str]:
+    # The reflection client is synchronous: run it off the event loop the server runs on.
+    with grpc.insecure_channel(address) as channel:
+        return ProtoReflectionDescriptorDatabase(channel).get_services()
+
+
+async def test_model_without_tokenizer(start_server, model_dir, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir("mixtral"), bare, ignore=shutil.ignore_patterns("tokenizer.json"))
+    server = await start_server(model=str(bare))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Tokenize(inference_pb2.TokenizeRequest(text="hi"))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(inference_pb2.GenerateRequest(prompt="hi")).read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("prompt:")
+    stream = await generate(server.address, greedy([5, 6]))
+    assert len(token_ids(stream)) == 8 and all(r.text == "" for r in stream)
+
+
+async def test_shutdown_cancels_streams_left_after_the_grace(start_server, model_dir):
+    server = await start_server(model=str(model_dir("mixtral")), shutdown_grace_s=0)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(greedy([5, 6], max_tokens=250))
+        first = await call.read()
+        server.stop.set()
+        rest = await read_rest(call)
+    assert rest[-1].finish_reason == "cancelled"
+    assert len(token_ids([first, *rest])) < 250
+    assert await asyncio.wait_for(server.task, 60) == 0
