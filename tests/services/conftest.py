@@ -77,8 +77,8 @@ def serve_process():
     """`serve_process(*flags)` -> a ServeProcess, killed after the test if still running."""
     procs: list[ServeProcess] = []
 
-    def start(*args: str) -> ServeProcess:
-        proc = ServeProcess(*args)
+    def start(*args: str, wait: bool = True) -> ServeProcess:
+        proc = ServeProcess(*args, wait=wait)
         procs.append(proc)
         return proc
 

@@ -56,14 +56,18 @@ class ServeProcess:
 
     LISTENING = re.compile(r"listening on (\S+?)(?:;|$)(?:.*metrics on http://[^:]+:(\d+)/metrics)?")
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, wait: bool = True):
+        """Starts `tandem serve *args`; with wait=False, call wait_listening() before using the addresses."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "serve", *args], stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.address, self.metrics_port = self._wait_listening()
+        self.address: str | None = None
+        self.metrics_port: int | None = None
+        if wait:
+            self.wait_listening()
 
     def _read(self) -> None:
         for line in self.proc.stderr:
@@ -71,8 +75,9 @@ class ServeProcess:
             self._queue.put(line)
         self._queue.put(None)
 
-    def _wait_listening(self) -> tuple[str, int | None]:
-        while True:
+    def wait_listening(self) -> "ServeProcess":
+        """Blocks until the server logs its bound addresses (it listens before the model loads)."""
+        while self.address is None:
             try:
                 line = self._queue.get(timeout=STARTUP_TIMEOUT_S)
             except queue.Empty:
@@ -80,7 +85,8 @@ class ServeProcess:
             if line is None:
                 raise RuntimeError(f"tandem serve exited ({self.proc.wait()}):\n{self.log()}")
             if m := self.LISTENING.search(line):
-                return m[1], int(m[2]) if m[2] else None
+                self.address, self.metrics_port = m[1], int(m[2]) if m[2] else None
+        return self
 
     def log(self) -> str:
         return "".join(self.lines)

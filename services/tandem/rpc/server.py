@@ -169,6 +169,8 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
                  else "NOT_SERVING until the experts process answers")
         await stop.wait()
         log.info("shutting down")
+        if engine_loop is not None:
+            engine_loop.stop_admitting()
         await health_state.set(False)
         if engine_loop is not None:
             await _drain(engine_loop, opts.shutdown_grace_s)
@@ -222,8 +224,7 @@ def _model_info(opts: ServeOptions, engine) -> dict:
 
 
 async def _drain(engine_loop: EngineLoop, grace_s: float) -> None:
-    """Stops admitting, waits up to grace_s for in-flight requests, then cancels the rest."""
-    engine_loop.stop_admitting()
+    """Waits up to grace_s for in-flight requests, then cancels the rest."""
     deadline = time.monotonic() + grace_s
     while engine_loop.in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.02)

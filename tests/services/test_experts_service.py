@@ -1,0 +1,97 @@
+"""The Experts service and its client, GrpcExpertExecutor, over a real unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem import contract
+from tandem.experts.base import ExpertsUnavailable
+from tandem.model.loader import build_expert_executor
+from tandem.rpc.experts_client import GrpcExpertExecutor
+from tandem.rpc.gen import experts_pb2, experts_pb2_grpc
+from tandem.rpc.tensors import to_proto
+
+HIDDEN = 64  # the demo checkpoints' hidden size
+
+
+@pytest.fixture
+async def experts(start_server, model_dir, tmp_path):
+    """(address, the same experts computed in this process)."""
+    path = model_dir("mixtral")
+    server = await start_server(model=str(path), role="experts", listen=f"unix:{tmp_path}/experts.sock")
+    return server.address, build_expert_executor(path)
+
+
+def batch(tokens: int = 5, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, HIDDEN, generator=g).to(dtype)  # [T, H]
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])  # [T, 2]
+    weights = torch.rand(tokens, 2, generator=g)  # [T, 2]
+    return hidden, ids, weights / weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+async def test_remote_forward_equals_local(experts, dtype):
+    address, local = experts
+    client = GrpcExpertExecutor(address)
+    for layer in (0, 1):
+        hidden, ids, weights = batch(dtype=dtype, seed=layer)
+        remote = await asyncio.to_thread(client.forward, layer, hidden, ids, weights)
+        assert remote.dtype == dtype and remote.shape == hidden.shape
+        assert torch.equal(remote, local.forward(layer, hidden, ids, weights))
+    client.close()
+
+
+async def test_info_health_and_no_cpu_kv(experts):
+    address, _ = experts
+    client = GrpcExpertExecutor(address)
+    info = await asyncio.to_thread(client.info)
+    assert list(info.moe_layers) == [0, 1] and info.num_experts == 8 and info.hidden_size == HIDDEN
+    assert info.dtype == "float32" and info.kv_shm_path == ""
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=contract.EXPERTS_SERVICE))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await experts_pb2_grpc.ExpertsStub(channel).CpuAttention(experts_pb2.CpuAttentionRequest())
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "kv_shm" in err.value.details()
+    client.close()
+
+
+def bad_requests():
+    hidden, ids, weights = batch()
+    ok = dict(layer=0, hidden=to_proto(hidden), topk_ids=to_proto(ids), topk_weights=to_proto(weights))
+    yield dict(ok, layer=7), "layer"
+    yield dict(ok, hidden=to_proto(hidden[:, :32])), "hidden"
+    yield dict(ok, hidden=to_proto(hidden[0])), "hidden"
+    yield dict(ok, topk_ids=to_proto(ids.int())), "topk_ids"
+    yield dict(ok, topk_ids=to_proto(ids + 8)), "topk_ids"
+    yield dict(ok, topk_weights=to_proto(weights[:, :1])), "topk_weights"
+    broken = to_proto(hidden)
+    broken.data = broken.data[:-4]
+    yield dict(ok, hidden=broken), "hidden"
+
+
+async def test_bad_requests_are_invalid_argument_naming_the_field(experts):
+    address, _ = experts
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = experts_pb2_grpc.ExpertsStub(channel)
+        for fields, name in bad_requests():
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Forward(experts_pb2.ExpertForwardRequest(**fields))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith(f"{name}:"), err.value.details()
+
+
+def test_unreachable_experts_raise_experts_unavailable(tmp_path):
+    client = GrpcExpertExecutor(f"unix:{tmp_path}/nobody.sock", timeout_s=5)
+    with pytest.raises(ExpertsUnavailable, match="nobody.sock: UNAVAILABLE"):
+        client.forward(0, *batch())
+    with pytest.raises(ExpertsUnavailable):
+        client.info()
+    client.close()

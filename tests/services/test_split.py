@@ -1,0 +1,136 @@
+"""Real `tandem serve` processes: the split pair (attention + experts) against the embedded
+server, an experts outage and recovery, SIGTERM, /metrics, and `tandem generate --server`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from svc_helpers import NOT_SERVING, SERVING, SMALL_ENGINE, generate, greedy, token_ids, wait_health
+
+from tandem import contract
+from tandem.cli import main as tandem_main
+from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
+
+PROMPTS = [[5, 17, 42, 99, 3, 250], [7, 7, 300, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
+
+
+def start_pair(serve_process, model, tmp_path, wait: bool = True):
+    """An experts process and an attention process calling it over a unix socket, sharing the CPU KV file."""
+    shm = str(tmp_path / "shm" / "kv")
+    experts = serve_process("--model", str(model), "--role", "experts", "--listen", f"unix:{tmp_path}/experts.sock",
+                            "--metrics-port", "0", "--kv-shm", shm, wait=wait)
+    attention = serve_process("--model", str(model), "--role", "attention", "--experts", f"unix:{tmp_path}/experts.sock",
+                              "--listen", "127.0.0.1:0", "--metrics-port", "0", "--kv-shm", shm, "--device", "cpu",
+                              *SMALL_ENGINE, wait=wait)
+    return experts, attention
+
+
+def scrape(port: int) -> dict:
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        families = text_string_to_metric_families(r.read().decode())
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+async def generate_all(address: str) -> list[list[int]]:
+    """PROMPTS at once (one continuous batch), greedy."""
+    streams = await asyncio.gather(*(generate(address, greedy(p, max_tokens=12)) for p in PROMPTS))
+    return [token_ids(s) for s in streams]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+async def test_split_pair_generates_what_the_embedded_server_does(serve_process, model_dir, tmp_path, arch):
+    model = model_dir(arch)
+    experts, attention = start_pair(serve_process, model, tmp_path, wait=False)
+    embedded = serve_process("--model", str(model), "--listen", f"unix:{tmp_path}/embedded.sock",
+                             "--metrics-port", "0", "--device", "cpu", *SMALL_ENGINE, wait=False)
+    for proc in (experts, attention, embedded):
+        proc.wait_listening()
+    await asyncio.gather(*(wait_health(p.address, SERVING) for p in (experts, attention, embedded)))
+
+    split, alone = await asyncio.gather(generate_all(attention.address), generate_all(embedded.address))
+    assert split == alone
+    assert all(len(ids) == 12 for ids in split)
+
+    # Both sides count what they did: the attention side times each expert call it makes.
+    moe_layers = 1 if arch == "qwen2_moe" else 2  # the qwen2_moe demo has one dense (mlp_only) layer
+    calls = scrape(attention.metrics_port)[(contract.EXPERT_CALL_LATENCY + "_count", ())]
+    assert calls >= moe_layers * 12 and calls % moe_layers == 0
+    assert scrape(experts.metrics_port)[(contract.EXPERT_CALL_LATENCY + "_count", ())] == calls
+    assert scrape(attention.metrics_port)[(contract.GENERATED_TOKENS + "_total", ())] == 36
+
+    if arch == "mixtral":  # `tandem generate --server` prints what the local command prints
+        await check_remote_generate_matches_local(model, attention.address, embedded.address)
+
+
+async def check_remote_generate_matches_local(model, *addresses: str) -> None:
+    flags = ["--prompt", "The expert said", "--max-tokens", "10", "--json"]
+    outputs = []
+    for where in [["--model", str(model), "--device", "cpu"], *(["--server", a] for a in addresses)]:
+        outputs.append(await asyncio.to_thread(run_cli, ["generate", *where, *flags]))
+    local = json.loads(outputs[0])
+    assert set(local) == {"token_ids", "text", "finish_reason", "usage"} and local["usage"]["prompt_tokens"] > 0
+    assert outputs[1:] == [outputs[0]] * len(addresses)
+
+
+def run_cli(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert tandem_main(argv) == 0
+    return out.getvalue()
+
+
+async def test_experts_outage_is_unavailable_then_serving_resumes(serve_process, model_dir, tmp_path):
+    model = model_dir("mixtral")
+    experts, attention = start_pair(serve_process, model, tmp_path)
+    await wait_health(attention.address, SERVING)
+    expected = token_ids(await generate(attention.address, greedy(PROMPTS[0])))
+
+    experts.kill()
+    async with grpc.aio.insecure_channel(attention.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        pending = stub.Generate(greedy(PROMPTS[0]))  # admitted; its first step finds the experts gone
+        await wait_health(attention.address, NOT_SERVING, timeout_s=60)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(greedy(PROMPTS[1])).read()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "experts" in err.value.details()
+
+        serve_process("--model", str(model), "--role", "experts", "--listen", f"unix:{tmp_path}/experts.sock",
+                      "--metrics-port", "0")
+        await wait_health(attention.address, SERVING)
+        responses = [r async for r in pending]
+    assert token_ids(responses) == expected  # the pending request lost nothing
+    assert responses[-1].finish_reason == "length"
+    assert token_ids(await generate(attention.address, greedy(PROMPTS[0]))) == expected
+    metrics = scrape(attention.metrics_port)
+    assert metrics[(contract.REQUESTS + "_total", (("outcome", "unavailable"),))] == 1
+    assert metrics[(contract.REQUESTS + "_total", (("outcome", "length"),))] == 3
+
+
+async def test_sigterm_finishes_in_flight_streams_and_exits_0(serve_process, model_dir):
+    server = serve_process("--model", str(model_dir("mixtral")), "--listen", "127.0.0.1:0", "--metrics-port", "0",
+                           "--device", "cpu", *SMALL_ENGINE)
+    await wait_health(server.address, SERVING)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(greedy([5, 6, 7], max_tokens=120))
+        first = await call.read()
+        exit_code = asyncio.get_running_loop().run_in_executor(None, server.terminate)
+        await wait_health(server.address, NOT_SERVING)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # no longer admitting
+            await stub.Generate(inference_pb2.GenerateRequest(prompt_token_ids=[5])).read()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = []
+        while (response := await call.read()) is not grpc.aio.EOF:
+            rest.append(response)
+    assert len(token_ids([first, *rest])) == 120 and rest[-1].finish_reason == "length"
+    assert await exit_code == 0, server.log()
+    assert "shutting down" in server.log()
