@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import urllib.request
 
 import grpc
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from svc_helpers import NOT_SERVING, SERVING, SMALL_ENGINE, generate, greedy, token_ids, wait_health
 
 from tandem import contract
 from tandem.cli import main as tandem_main
+from tandem.kv.attention import AttentionMetadata, paged_attention
+from tandem.rpc.cpu_attention import SharedCpuKV
+from tandem.rpc.experts_client import GrpcExpertExecutor
 from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
 
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7, 7, 300, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
@@ -66,6 +71,24 @@ async def test_split_pair_generates_what_the_embedded_server_does(serve_process,
 
     if arch == "mixtral":  # `tandem generate --server` prints what the local command prints
         await check_remote_generate_matches_local(model, attention.address, embedded.address)
+        await check_experts_read_the_shared_cpu_tier(experts.address, tmp_path / "shm" / "kv")
+
+
+async def check_experts_read_the_shared_cpu_tier(experts_address: str, shm) -> None:
+    """The attention process published its CPU KV tier; bytes written there reach the experts process."""
+    layout, tensors = SharedCpuKV(shm).tensors()  # a third process mapping the same files
+    torch.manual_seed(1)
+    for t in tensors.values():
+        t.normal_()
+    heads = 4  # the demo checkpoints' attention heads
+    query = torch.randn(2, heads, tensors["k"].shape[-1])  # [S, H, D]
+    tables, lens = [[1, 2], [0]], [20, 3]
+    client = GrpcExpertExecutor(experts_address)
+    remote = await asyncio.to_thread(client.cpu_attention, 1, query, tables, lens)
+    client.close()
+    meta = AttentionMetadata.build([n - 1 for n in lens], [1, 1], tables, layout["block_size"], torch.device("cpu"))
+    local = paged_attention(query, tensors["k"][1], tensors["v"][1], meta, 1.0 / math.sqrt(query.shape[-1]))
+    torch.testing.assert_close(remote, local, rtol=0, atol=1e-6)
 
 
 async def check_remote_generate_matches_local(model, *addresses: str) -> None:

@@ -50,8 +50,18 @@ class GrpcExpertExecutor:
         """What the experts process holds; ExpertsUnavailable when it is unreachable."""
         return self._call(self._stub.GetExpertsInfo, experts_pb2.GetExpertsInfoRequest(), timeout_s)
 
-    def cpu_attention(self, request: experts_pb2.CpuAttentionRequest) -> torch.Tensor:
-        return from_proto(self._call(self._stub.CpuAttention, request).output, "output")
+    def cpu_attention(self, layer: int, query: torch.Tensor, block_tables: list[list[int]],
+                      seq_lens: list[int], scale: float = 0.0) -> torch.Tensor:
+        """Decode attention over CPU-tier KV blocks, by the experts process.
+
+        query [S, heads, head_dim], one per sequence; block_tables[i] and seq_lens[i] give
+        sequence i's CPU-tier blocks and KV length. Returns [S, heads, head_dim] in query's dtype.
+        """
+        request = experts_pb2.CpuAttentionRequest(
+            layer=layer, query=to_proto(query), seq_lens=seq_lens, scale=scale,
+            block_tables=[experts_pb2.BlockTable(block_ids=t) for t in block_tables])
+        out = from_proto(self._call(self._stub.CpuAttention, request).output, "output")
+        return out.to(query.device)
 
     def _call(self, method, request, timeout_s: float | None = None):
         try:

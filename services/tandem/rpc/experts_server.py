@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from tandem.metrics import ServingMetrics
+from tandem.rpc.cpu_attention import KVNotShared
 from tandem.rpc.gen import experts_pb2, experts_pb2_grpc
 from tandem.rpc.tensors import BadTensor, from_proto, to_proto
 
@@ -79,8 +80,10 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         try:
             out = await asyncio.get_running_loop().run_in_executor(
                 self._worker, self.cpu_attention.handle, request)
-        except (BadTensor, ValueError) as exc:
+        except BadTensor as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KVNotShared as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return experts_pb2.CpuAttentionResponse(output=to_proto(out))
 
     async def GetExpertsInfo(self, request, context):

@@ -24,6 +24,7 @@ from tandem import contract
 from tandem.metrics import ServingMetrics
 from tandem.rpc import experts_server, inference_server, loading
 from tandem.rpc.addresses import check_address, prepare_unix_socket, with_bound_port
+from tandem.rpc.cpu_attention import CpuAttention, SharedCpuKV, publish_layout
 from tandem.rpc.engine_loop import EngineLoop
 
 log = logging.getLogger("tandem.serve")
@@ -154,10 +155,12 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
             return 0
         if opts.role == "experts":
             executor, info = loaded
-            servicer.attach(executor, info)
+            servicer.attach(executor, info, CpuAttention(SharedCpuKV(opts.kv_shm)) if opts.kv_shm else None)
             await health_state.set(True)
         else:
             engine, reachable, client = loaded
+            if opts.kv_shm:  # the experts process maps the CPU tier from this description
+                publish_layout(engine.cache, opts.kv_shm)
             engine_loop = _engine_loop(engine, client, metrics, health_state, loop)
             servicer.attach(engine_loop, _model_info(opts, engine))
             # Health first, then the loop: its own changes must land after this one.

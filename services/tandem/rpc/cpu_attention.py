@@ -1,0 +1,130 @@
+"""Decode attention over the CPU KV tier, computed by the experts process on its own cores.
+
+The attention process owns the KV block metadata and writes the CPU tier into shared-memory
+files (`--kv-shm PATH` gives `PATH.k`, `PATH.v`, as `tandem.kv.cache` lays them out). Next to
+them it publishes the tier's layout (`PATH.layout.json`), so the experts process maps the same
+bytes without loading the model: a CpuAttention request carries only queries, block tables and
+lengths, never KV data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from tandem.kv.attention import AttentionMetadata, paged_attention
+from tandem.kv.cache import CPU
+from tandem.rpc.gen import experts_pb2
+from tandem.rpc.tensors import DTYPES, BadTensor, from_proto
+
+LAYOUT_SUFFIX = ".layout.json"
+
+
+class KVNotShared(RuntimeError):
+    """The CPU KV tier is not (yet) published by an attention process on this path."""
+
+
+def layout_path(shm_path: str | Path) -> Path:
+    return Path(f"{shm_path}{LAYOUT_SUFFIX}")
+
+
+def publish_layout(cache, shm_path: str | Path) -> Path:
+    """Writes the CPU tier's layout next to its shared-memory files (atomically: readers never see half)."""
+    layout = {
+        "entries": [[name, list(shape)] for name, shape in cache.layout.entries],
+        "num_layers": cache.layout.num_layers,
+        "num_blocks": cache.num_blocks(CPU),
+        "block_size": cache.block_size,
+        "dtype": str(cache.layout.dtype).removeprefix("torch."),
+    }
+    path = layout_path(shm_path)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(layout))
+    os.replace(tmp, path)
+    return path
+
+
+class SharedCpuKV:
+    """The CPU KV tier as the experts process sees it: the attention process's files, mapped shared."""
+
+    def __init__(self, shm_path: str | Path):
+        self.shm_path = str(shm_path)
+        self._mapped: tuple[dict, dict[str, torch.Tensor]] | None = None
+        self._published: tuple[int, int] | None = None  # (inode, mtime) of the layout mapped
+
+    def tensors(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(layout, {entry name: [layers, blocks, block_size, *entry]}), mapped on first use and
+        mapped again when the attention process (restarted) publishes a new layout."""
+        path = layout_path(self.shm_path)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise KVNotShared(f"kv_shm: no CPU KV tier published at {path}: is the attention process running "
+                              f"with the same --kv-shm {self.shm_path}?") from None
+        if self._mapped is None or self._published != (st.st_ino, st.st_mtime_ns):
+            self._mapped = self._map(path)
+            self._published = (st.st_ino, st.st_mtime_ns)
+        return self._mapped
+
+    def _map(self, path: Path):
+        layout = json.loads(path.read_text())
+        dtype = DTYPES[layout["dtype"]]
+        tensors = {}
+        for name, shape in layout["entries"]:
+            full = (layout["num_layers"], layout["num_blocks"], layout["block_size"], *shape)
+            tensors[name] = _map_existing(Path(f"{self.shm_path}.{name}"), full, dtype)
+        return layout, tensors
+
+
+def _map_existing(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # Unlike tandem.kv.cache.map_shared this never creates or grows a file: the attention side owns them.
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not path.is_file() or path.stat().st_size < nbytes:
+        raise KVNotShared(f"kv_shm: {path} is missing or smaller than its published layout ({nbytes} bytes)")
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+
+
+class CpuAttention:
+    """Answers CpuAttention requests: one decode query per sequence over its CPU-tier blocks."""
+
+    def __init__(self, kv: SharedCpuKV):
+        self.kv = kv
+
+    def handle(self, request: experts_pb2.CpuAttentionRequest) -> torch.Tensor:
+        layout, tensors = self.kv.tensors()
+        if "k" not in tensors or "v" not in tensors:
+            raise KVNotShared("kv_shm: CPU attention needs a K/V cache; this model's KV layout is "
+                              f"{[name for name, _ in layout['entries']]}")
+        query = from_proto(request.query, "query")  # [S, H, D]
+        tables, lens = [list(t.block_ids) for t in request.block_tables], list(request.seq_lens)
+        self._check(request.layer, query, tables, lens, layout, tensors["k"])
+        k_cache, v_cache = tensors["k"][request.layer], tensors["v"][request.layer]  # [blocks, bs, Hkv, D]
+        meta = AttentionMetadata.build([n - 1 for n in lens], [1] * len(lens), tables, layout["block_size"],
+                                       torch.device("cpu"))
+        scale = request.scale or 1.0 / math.sqrt(query.shape[-1])
+        out = paged_attention(query.to(k_cache.dtype), k_cache, v_cache, meta, scale)  # [S, H, D]
+        return out.to(query.dtype)
+
+    @staticmethod
+    def _check(layer, query, tables, lens, layout, k) -> None:
+        if not 0 <= layer < layout["num_layers"]:
+            raise BadTensor("layer", f"{layer} is not a layer of this model (0..{layout['num_layers'] - 1})")
+        if query.dim() != 3 or not query.is_floating_point():
+            raise BadTensor("query", f"must be a float tensor [S, heads, head_dim], got {list(query.shape)}")
+        if query.shape[-1] != k.shape[-1] or query.shape[1] % k.shape[-2]:
+            raise BadTensor("query", f"heads x head_dim {list(query.shape[1:])} do not fit the cache's "
+                            f"{k.shape[-2]} KV heads of {k.shape[-1]}")
+        if not len(tables) == len(lens) == query.shape[0]:
+            raise BadTensor("block_tables", f"{len(tables)} block tables and {len(lens)} seq_lens for "
+                            f"{query.shape[0]} queries")
+        size, num_blocks = layout["block_size"], layout["num_blocks"]
+        for i, (table, n) in enumerate(zip(tables, lens)):
+            if n < 1 or len(table) * size < n:
+                raise BadTensor("seq_lens", f"sequence {i}: {n} tokens do not fit {len(table)} blocks of {size}")
+            if any(b >= num_blocks for b in table):
+                raise BadTensor("block_tables", f"sequence {i}: block ids must be < {num_blocks}")
