@@ -88,6 +88,19 @@ class ServeProcess:
                 self.address, self.metrics_port = m[1], int(m[2]) if m[2] else None
         return self
 
+    def wait_for_line(self, pattern: str) -> str:
+        """Blocks until a log line (after the listening one) matches `pattern`; returns it."""
+        regex = re.compile(pattern)
+        while True:
+            try:
+                line = self._queue.get(timeout=STARTUP_TIMEOUT_S)
+            except queue.Empty:
+                raise RuntimeError(f"no log line matching {pattern!r}:\n{self.log()}") from None
+            if line is None:
+                raise RuntimeError(f"tandem serve exited ({self.proc.wait()}) before logging {pattern!r}:\n{self.log()}")
+            if regex.search(line):
+                return line
+
     def log(self) -> str:
         return "".join(self.lines)
 

@@ -4,6 +4,8 @@ server, an experts outage and recovery, SIGTERM, /metrics, and `tandem generate 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import math
 import urllib.request
@@ -27,9 +29,10 @@ PROMPTS = [[5, 17, 42, 99, 3, 250], [7, 7, 300, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9,
 def start_pair(serve_process, model, tmp_path, wait: bool = True):
     """An experts process and an attention process calling it over a unix socket, sharing the CPU KV file."""
     shm = str(tmp_path / "shm" / "kv")
-    experts = serve_process("--model", str(model), "--role", "experts", "--listen", f"unix:{tmp_path}/experts.sock",
+    socket = f"unix:{tmp_path}/experts.sock"
+    experts = serve_process("--model", str(model), "--role", "experts", "--listen", socket,
                             "--metrics-port", "0", "--kv-shm", shm, wait=wait)
-    attention = serve_process("--model", str(model), "--role", "attention", "--experts", f"unix:{tmp_path}/experts.sock",
+    attention = serve_process("--model", str(model), "--role", "attention", "--experts", socket,
                               "--listen", "127.0.0.1:0", "--metrics-port", "0", "--kv-shm", shm, "--device", "cpu",
                               *SMALL_ENGINE, wait=wait)
     return experts, attention
@@ -96,46 +99,58 @@ async def check_remote_generate_matches_local(model, *addresses: str) -> None:
     outputs = []
     for where in [["--model", str(model), "--device", "cpu"], *(["--server", a] for a in addresses)]:
         outputs.append(await asyncio.to_thread(run_cli, ["generate", *where, *flags]))
-    local = json.loads(outputs[0])
+    assert {code for code, _, _ in outputs} == {0}
+    local = json.loads(outputs[0][1])
     assert set(local) == {"token_ids", "text", "finish_reason", "usage"} and local["usage"]["prompt_tokens"] > 0
-    assert outputs[1:] == [outputs[0]] * len(addresses)
+    assert [out for _, out, _ in outputs[1:]] == [outputs[0][1]] * len(addresses)
+    code, out, err = await asyncio.to_thread(run_cli, ["generate", "--server", addresses[0], "--prompt-ids", "5,99999"])
+    assert code == 2 and out == "" and "prompt_token_ids: token id 99999 is outside the vocabulary" in err
 
 
-def run_cli(argv: list[str]) -> str:
-    import contextlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert tandem_main(argv) == 0
-    return out.getvalue()
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `tandem ARGV`, run in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = tandem_main(argv)
+    return code, out.getvalue(), err.getvalue()
 
 
 async def test_experts_outage_is_unavailable_then_serving_resumes(serve_process, model_dir, tmp_path):
     model = model_dir("mixtral")
-    experts, attention = start_pair(serve_process, model, tmp_path)
+    socket = f"unix:{tmp_path}/experts.sock"
+
+    def start_experts():
+        return serve_process("--model", str(model), "--role", "experts", "--listen", socket, "--metrics-port", "0")
+
+    # The attention side first: loaded, but NOT_SERVING until the experts answer.
+    attention = serve_process("--model", str(model), "--role", "attention", "--experts", socket, "--listen",
+                              "127.0.0.1:0", "--metrics-port", "0", "--device", "cpu", *SMALL_ENGINE)
+    assert "NOT_SERVING until the experts process answers" in attention.wait_for_line("model loaded")
+    await check_unavailable(attention.address)
+    experts = start_experts()
     await wait_health(attention.address, SERVING)
     expected = token_ids(await generate(attention.address, greedy(PROMPTS[0])))
 
     experts.kill()
     async with grpc.aio.insecure_channel(attention.address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        pending = stub.Generate(greedy(PROMPTS[0]))  # admitted; its first step finds the experts gone
+        pending = inference_pb2_grpc.InferenceStub(channel).Generate(greedy(PROMPTS[0]))  # first step fails
         await wait_health(attention.address, NOT_SERVING, timeout_s=60)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Generate(greedy(PROMPTS[1])).read()
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "experts" in err.value.details()
-
-        serve_process("--model", str(model), "--role", "experts", "--listen", f"unix:{tmp_path}/experts.sock",
-                      "--metrics-port", "0")
+        await check_unavailable(attention.address)
+        start_experts()
         await wait_health(attention.address, SERVING)
         responses = [r async for r in pending]
     assert token_ids(responses) == expected  # the pending request lost nothing
     assert responses[-1].finish_reason == "length"
     assert token_ids(await generate(attention.address, greedy(PROMPTS[0]))) == expected
     metrics = scrape(attention.metrics_port)
-    assert metrics[(contract.REQUESTS + "_total", (("outcome", "unavailable"),))] == 1
+    assert metrics[(contract.REQUESTS + "_total", (("outcome", "unavailable"),))] == 2
     assert metrics[(contract.REQUESTS + "_total", (("outcome", "length"),))] == 3
+
+
+async def check_unavailable(address: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(address, greedy(PROMPTS[1]))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "experts" in err.value.details()
 
 
 async def test_sigterm_finishes_in_flight_streams_and_exits_0(serve_process, model_dir):

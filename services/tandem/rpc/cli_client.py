@@ -52,7 +52,7 @@ def run_remote_generate(args) -> int:
     with grpc.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
-            info = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=30, wait_for_ready=True)
+            info = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=30)
             result = collect(stub, request)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:

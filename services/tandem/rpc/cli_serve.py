@@ -29,7 +29,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(F["role"], choices=contract.ROLES, default="all",
                    help="all: everything in one process (default); attention: all but the routed experts, "
                         "calling --experts; experts: only the routed experts")
-    p.add_argument(F["experts"], help=f"address of the experts process, for --role attention (e.g. {contract.EXPERTS_SOCKET})")
+    p.add_argument(F["experts"],
+                   help=f"address of the experts process, for --role attention (e.g. {contract.EXPERTS_SOCKET})")
     p.add_argument(F["kv_shm"], help="back the CPU KV tier with this shared-memory file (both roles of a split pair)")
     p.add_argument(F["device"], choices=["cpu", "cuda"], help="compute device (default: cuda when available)")
     p.add_argument(F["dtype"], choices=["float32", "bfloat16"], help="default: the checkpoint's")

@@ -1,0 +1,55 @@
+"""`tandem serve` flags as the operator renders them, and the errors a user sees for bad ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem import contract
+from tandem.cli import build_parser, main
+from tandem.rpc.cli_serve import options_from_args
+
+
+def parse(*argv: str):
+    return options_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_every_contract_flag_is_accepted(tmp_path):
+    values = {"model": str(tmp_path), "listen": "unix:/run/x.sock", "metrics_port": "9500", "role": "attention",
+              "experts": contract.EXPERTS_SOCKET, "kv_shm": contract.KV_SHM_PATH, "device": "cpu",
+              "dtype": "bfloat16", "threads": "3", "block_size": "32", "gpu_memory_fraction": "0.5",
+              "cpu_kv_gib": "2", "expert_quant": "int8"}
+    assert set(values) == set(contract.SERVE_FLAGS)
+    argv = [a for key, flag in contract.SERVE_FLAGS.items() for a in (flag, values[key])]
+    opts = parse(*argv)
+    assert (opts.role, opts.experts, opts.kv_shm, opts.metrics_port) == (
+        "attention", contract.EXPERTS_SOCKET, contract.KV_SHM_PATH, 9500)
+    assert (opts.threads, opts.block_size, opts.gpu_memory_fraction, opts.expert_quant) == (3, 32, 0.5, "int8")
+
+
+def test_defaults_follow_the_contract(tmp_path):
+    opts = parse("--model", str(tmp_path))
+    assert opts.role == "all" and opts.listen == f"0.0.0.0:{contract.GRPC_PORT}"
+    assert opts.metrics_port == contract.METRICS_PORT
+    # The experts container shares the pod's network namespace: its metrics need their own port.
+    assert parse("--model", str(tmp_path), "--role", "experts").metrics_port == contract.EXPERTS_METRICS_PORT
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--role", "attention"], "--role attention needs --experts"),
+    (["--experts", "unix:/x.sock"], "--experts is only for --role attention"),
+    (["--listen", "localhost"], "--listen: expected host:port or unix:/path"),
+    (["--listen", "0.0.0.0:99999"], "--listen: port must be a number in 0..65535"),
+    (["--role", "attention", "--experts", "nowhere"], "--experts: expected host:port"),
+    (["--metrics-port", "-1"], "--metrics-port must be in 0..65535"),
+    (["--threads", "0"], "--threads must be at least 1"),
+])
+def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, argv, message):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["serve", "--model", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_model_directory_must_exist(tmp_path, capsys):
+    assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
