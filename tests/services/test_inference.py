@@ -53,7 +53,8 @@ def scrape(port: int) -> dict:
 
 async def test_concurrent_streams_match_the_engine(start_server, model_dir, reference, tmp_path):
     ids, text = reference
-    server = await start_server(model=str(model_dir("mixtral")), listen=f"unix:{tmp_path}/inference.sock")
+    server = await start_server(model=str(model_dir("mixtral")), listen=f"unix:{tmp_path}/inference.sock",
+                                metrics_port=0)
     streams = await asyncio.gather(*(generate(server.address, greedy(p)) for p in PROMPTS))
     assert [token_ids(s) for s in streams] == ids
     for stream, prompt in zip(streams, PROMPTS):
@@ -67,6 +68,14 @@ async def test_concurrent_streams_match_the_engine(start_server, model_dir, refe
     assert token_ids(by_text) == text.token_ids
     assert "".join(r.text for r in by_text) == text.text
     assert {r.request_id for r in by_text} == {"mine"}
+    metrics = scrape(server.metrics_port)
+    assert metrics[(contract.TIME_TO_FIRST_TOKEN + "_count", ())] == 4
+    assert metrics[(contract.INTER_TOKEN_LATENCY + "_count", ())] == 4 * 7  # every token after the first
+    assert metrics[(contract.GENERATED_TOKENS + "_total", ())] == 4 * 8
+    assert metrics[(contract.PROMPT_TOKENS + "_total", ())] == sum(map(len, PROMPTS)) + \
+        by_text[-1].usage.prompt_tokens
+    assert metrics[(contract.REQUESTS + "_total", (("outcome", "length"),))] == 4
+    assert metrics[(contract.EXPERT_CALL_LATENCY + "_count", ())] > 0
 
 
 BAD_REQUESTS = [
@@ -191,3 +200,13 @@ async def test_shutdown_cancels_streams_left_after_the_grace(start_server, model
     assert rest[-1].finish_reason == "cancelled"
     assert len(token_ids([first, *rest])) < 250
     assert await asyncio.wait_for(server.task, 60) == 0
+
+
+async def test_prefix_cache_hits_are_reported_and_counted(start_server, model_dir):
+    server = await start_server(model=str(model_dir("mixtral")), metrics_port=0)
+    prompt = list(range(10, 50))  # 40 tokens: two full 16-token blocks to reuse
+    first = await generate(server.address, greedy(prompt, max_tokens=2))
+    again = await generate(server.address, greedy(prompt, max_tokens=2))
+    assert first[-1].usage.cached_tokens == 0
+    assert again[-1].usage.cached_tokens == 32 and token_ids(again) == token_ids(first)
+    assert scrape(server.metrics_port)[(contract.PREFIX_CACHED_TOKENS + "_total", ())] == 32
