@@ -121,8 +121,9 @@ def find_convert_script() -> Path | None:
     if not sdist:
         return None
     with tarfile.open(sdist) as tar:
+        # the converter, the package it imports (conversion/) and its gguf-py: every Python file
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and
-                   ("convert_hf_to_gguf" in m.name or "/gguf-py/" in m.name)]
+                   (m.name.endswith(".py") or "/gguf-py/" in m.name or "/conversion/" in m.name)]
         tar.extractall(unpacked, members=members, filter="data")
     found = sorted(unpacked.glob("*/vendor/llama.cpp/convert_hf_to_gguf.py"))
     return found[-1] if found else None

@@ -67,7 +67,17 @@ def test_native_equals_reference_on_the_same_weights(layers, kernel_module, quan
     got = ex.forward(5, hidden, ids, weights)
     want = dequantized_reference(ex, 5).forward(5, hidden, ids, weights)
     assert got.shape == (tokens, H) and got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert_kernel_close(got, want, quant, gemm=tokens > ex.prefill_tokens)
+
+
+def assert_kernel_close(got, want, quant: str, gemm: bool = False, isa: str = "") -> None:
+    """f32 rounding, except int4 rows on SIMD kernels, whose activations are quantized to int8
+    per 32 values as llama.cpp's Q8_0 (rounding error ~0.3% per value, well under 2% after two
+    products); the scalar kernel and the GEMM path compute int4 in f32."""
+    if quant == "int4" and not gemm and isa != "scalar":
+        assert 0 < rel_err(got, want) < 2e-2
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=isa)
 
 
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
@@ -79,8 +89,7 @@ def test_every_instruction_set_gives_the_same_result(layers, kernel_module, quan
     try:
         for isa in kernel_module.supported_isas():
             kernel_module.set_isa(isa)
-            got = ex.forward(3, hidden, ids, weights)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=isa)
+            assert_kernel_close(ex.forward(3, hidden, ids, weights), want, quant, isa=isa)
     finally:
         kernel_module.set_isa(before)
 

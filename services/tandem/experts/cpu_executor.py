@@ -111,9 +111,7 @@ class CpuExpertExecutor:
 
     def _native_forward(self, p: PreparedLayer, x, topk_ids, topk_weights, out) -> None:
         t, k = topk_ids.shape
-        g = p.group_size if p.kind == 3 else 1
-        need = t * k * p.intermediate_size + (t * k * (p.intermediate_size // g) + t * (p.hidden_size // g)
-                                              if p.kind == 3 else 0)
+        need = t * k * p.intermediate_size  # the activations between the two projections
         self.native.moe_forward(
             x, topk_ids.long().contiguous(), topk_weights.float().contiguous(), p.kind, p.group_size,
             *p.native_args(), out, self._scratch(need),

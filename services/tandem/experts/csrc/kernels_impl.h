@@ -34,6 +34,23 @@ struct V {
     q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m)));
     q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)));
   }
+  // int4 x int8, a superblock of 4 blocks (128 weights, 64 bytes): activations are stored in
+  // superblock order (the 4 blocks' first halves, then their second halves), so the low and
+  // high nibbles of one 64-byte load meet their activations in two loads.
+  static constexpr int kSuper = 4;
+  static inline __m512i dot_i4_q8(const uint8_t* w, const int8_t* x) {
+    const __m512i raw = _mm512_loadu_si512(w);
+    const __m512i m = _mm512_set1_epi8(0x0F);
+    const __m512i lo = _mm512_and_si512(raw, m), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m);
+    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
+    return _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(x + 64));  // lanes 4i..4i+3: block i
+  }
+  static inline T cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
+  // 4 per-block scales -> each repeated over its block's 4 lanes
+  static inline T expand_blocks(__m128 s) {
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s));
+  }
 };
 #else
 struct V {
@@ -70,6 +87,21 @@ struct V {
     q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
     q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
     q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+  // int4 x int8, a superblock of 2 blocks (64 weights, 32 bytes); see the AVX-512 version.
+  static constexpr int kSuper = 2;
+  static inline __m256i dot_i4_q8(const uint8_t* w, const int8_t* x) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i m = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
+    // u8 x s8 pairs fit int16: 2 * 15 * 127 < 32767
+    const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), ones);
+    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))), ones);
+    return _mm256_add_epi32(a, b);  // lanes 4i..4i+3: block i
+  }
+  static inline T cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
+  static inline T expand_blocks(__m128 s) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
   }
 };
 #endif
@@ -127,38 +159,65 @@ static inline float dot_f16(const uint16_t* a, const float* b, int64_t n) {
   return r;
 }
 
-// int4: sum_g scale_g * dot(q_g, x_g) + sum_g min_g * sum(x_g); xs[t] holds sum(x_g) per group.
+constexpr int kSuper = V::kSuper;
+
+// Activations for int4 rows, quantized as llama.cpp's Q8_0: int8 per 32-block with an f32
+// scale d. q is in superblock order (see V::dot_i4_q8); blocks past the last full superblock
+// stay in natural order. xs gets the per-group sums of the quantized values (for the minimum).
+static void quantize_act(const float* x, int64_t K, int64_t group, int8_t* q, float* d, float* xs) {
+  const int64_t blocks = K / 32, full = blocks / kSuper * kSuper, per_group = group / 32;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[b * 32 + j]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    d[b] = amax / 127.f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int v = static_cast<int>(std::nearbyint(x[b * 32 + j] * inv));
+      sum += v;
+      int64_t pos = b * 32 + j;
+      if (b < full) pos = (b / kSuper) * kSuper * 32 + (j / 16) * kSuper * 16 + (b % kSuper) * 16 + j % 16;
+      q[pos] = static_cast<int8_t>(v);
+    }
+    if (b % per_group == 0) xs[b / per_group] = 0.f;
+    xs[b / per_group] += d[b] * static_cast<float>(sum);
+  }
+}
+
+// int4 row x Q8 activations: sum_b s_g(b) d_b sum_j q_bj xq_bj + sum_g min_g xs_g.
 template <int NT>
 static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn, int64_t K, int64_t group,
-                     const float* const* x, const float* const* xs, float* res) {
-  constexpr int Q = 32 / W;  // vectors per 32-weight block
-  T acc[NT][Q];
-  for (int t = 0; t < NT; ++t)
-    for (int i = 0; i < Q; ++i) acc[t][i] = V::zero();
-  const int64_t blocks_per_group = group / 32, groups = K / group;
-  for (int64_t g = 0; g < groups; ++g) {
-    const T s = V::set1(half_to_float(scale[g]));
-    for (int64_t b = 0; b < blocks_per_group; ++b) {
-      const int64_t block = g * blocks_per_group + b;
-      T q[Q];
-      V::load_i4(w + block * 16, q);
-      for (int i = 0; i < Q; ++i) {
-        const T qs = V::mul(q[i], s);
-        for (int t = 0; t < NT; ++t) acc[t][i] = V::fma(qs, V::load(x[t] + block * 32 + i * W), acc[t][i]);
-      }
+                     const Act* a, float* res) {
+  const int64_t blocks = K / 32, supers = blocks / kSuper, per_group = group / 32;
+  T acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = V::zero();
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < kSuper; ++i) s[i] = half_to_float(scale[(sb * kSuper + i) / per_group]);
+    const __m128 sv = _mm_loadu_ps(s);
+    for (int t = 0; t < NT; ++t) {
+      const __m128 sd = _mm_mul_ps(sv, _mm_loadu_ps(a[t].d + sb * kSuper));  // reads 4 floats; see Act
+      const T dot = V::cvt(V::dot_i4_q8(w + sb * kSuper * 16, a[t].q + sb * kSuper * 32));
+      acc[t] = V::fma(dot, V::expand_blocks(sd), acc[t]);
     }
   }
   for (int t = 0; t < NT; ++t) {
-    T a = acc[t][0];
-    for (int i = 1; i < Q; ++i) a = V::add(a, acc[t][i]);
-    res[t] = V::sum(a) + dot_f16(mn, xs[t], groups);
+    float r = V::sum(acc[t]);
+    for (int64_t b = supers * kSuper; b < blocks; ++b) {  // blocks past the last superblock
+      int32_t dot = 0;
+      for (int j = 0; j < 16; ++j)
+        dot += (w[b * 16 + j] & 0x0F) * a[t].q[b * 32 + j] + (w[b * 16 + j] >> 4) * a[t].q[b * 32 + 16 + j];
+      r += half_to_float(scale[b / per_group]) * a[t].d[b] * static_cast<float>(dot);
+    }
+    res[t] = r + dot_f16(mn, a[t].xs, K / group);
   }
 }
 
 template <int NT>
-static void row_tile(const Mat& m, int64_t e, int64_t row, const float* const* x, const float* const* xs,
-                     float* res) {
+static void row_tile(const Mat& m, int64_t e, int64_t row, const Act* a, float* res) {
   const int64_t r = e * m.rows + row;
+  const float* x[NT];
+  for (int t = 0; t < NT; ++t) x[t] = a[t].x;
   switch (m.kind) {
     case kF32:
       dot_dense<LoadF32, NT>(static_cast<const float*>(m.data) + r * m.K, m.K, x, res);
@@ -175,21 +234,20 @@ static void row_tile(const Mat& m, int64_t e, int64_t row, const float* const* x
     case kInt4: {
       const int64_t groups = m.K / m.group;
       dot_int4<NT>(static_cast<const uint8_t*>(m.data) + r * (m.K / 2), m.scale16 + r * groups,
-                   m.min16 + r * groups, m.K, m.group, x, xs, res);
+                   m.min16 + r * groups, m.K, m.group, a, res);
       break;
     }
   }
 }
 
 // res[t] = row `row` of expert `e` times x[t], for n tokens (any n; tiles of kTile).
-static void row_dot(const Mat& m, int64_t e, int64_t row, const float* const* x, const float* const* xs, int64_t n,
-                    float* res) {
+static void row_dot(const Mat& m, int64_t e, int64_t row, const Act* a, int64_t n, float* res) {
   int64_t t = 0;
-  for (; t + kTile <= n; t += kTile) row_tile<kTile>(m, e, row, x + t, xs + t, res + t);
+  for (; t + kTile <= n; t += kTile) row_tile<kTile>(m, e, row, a + t, res + t);
   switch (n - t) {
-    case 1: row_tile<1>(m, e, row, x + t, xs + t, res + t); break;
-    case 2: row_tile<2>(m, e, row, x + t, xs + t, res + t); break;
-    case 3: row_tile<3>(m, e, row, x + t, xs + t, res + t); break;
+    case 1: row_tile<1>(m, e, row, a + t, res + t); break;
+    case 2: row_tile<2>(m, e, row, a + t, res + t); break;
+    case 3: row_tile<3>(m, e, row, a + t, res + t); break;
     default: break;
   }
 }

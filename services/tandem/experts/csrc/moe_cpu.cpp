@@ -11,6 +11,7 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,6 +33,15 @@ struct Mat {
   int64_t kind;
 };
 
+// One token's activations as the kernels read them: f32, and for int4 rows also Q8 (int8 per
+// 32-block in the ISA's superblock order, block scales d padded by 4 floats, group sums xs).
+struct Act {
+  const float* x;
+  const int8_t* q;
+  const float* d;
+  const float* xs;
+};
+
 static inline float bf16_to_float(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
   float f;
@@ -50,7 +60,7 @@ static inline float half_to_float(uint16_t v) { return _cvtsh_ss(v); }
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 namespace avx512 {
 static inline float half_to_float(uint16_t v) { return _cvtsh_ss(v); }
 #define TANDEM_WIDE 1
@@ -77,22 +87,24 @@ static float weight(const Mat& m, int64_t r, int64_t k) {
   }
 }
 
-static void row_dot(const Mat& m, int64_t e, int64_t row, const float* const* x, const float* const*, int64_t n,
-                    float* res) {
+static void row_dot(const Mat& m, int64_t e, int64_t row, const Act* a, int64_t n, float* res) {
   const int64_t r = e * m.rows + row;
   for (int64_t t = 0; t < n; ++t) {
     float acc = 0.f;
-    for (int64_t k = 0; k < m.K; ++k) acc += weight(m, r, k) * x[t][k];
+    for (int64_t k = 0; k < m.K; ++k) acc += weight(m, r, k) * a[t].x[k];
     res[t] = acc;
   }
 }
 }  // namespace scalar
 
-using RowDot = void (*)(const Mat&, int64_t, int64_t, const float* const*, const float* const*, int64_t, float*);
+using RowDot = void (*)(const Mat&, int64_t, int64_t, const Act*, int64_t, float*);
+using QuantizeAct = void (*)(const float*, int64_t, int64_t, int8_t*, float*, float*);
 
 static std::string detect_isa() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return "avx512";
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+    return "avx512";
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return "avx2";
   return "scalar";
 }
@@ -122,6 +134,38 @@ static RowDot row_dot_for_isa() {
   return scalar::row_dot;
 }
 
+// nullptr for the scalar kernels, which compute int4 rows on the f32 activations.
+static QuantizeAct quantize_for_isa() {
+  if (g_isa == "avx512") return avx512::quantize_act;
+  if (g_isa == "avx2") return avx2::quantize_act;
+  return nullptr;
+}
+
+// Activations of n rows x [n, K] for the kernels, quantized for int4 rows when the ISA's kernel wants it.
+struct ActRows {
+  std::vector<Act> rows;
+  std::vector<int8_t> q;
+  std::vector<float> d, xs;
+
+  void fill(const float* x, const std::vector<int64_t>& row_of, int64_t K, int64_t group, QuantizeAct quantize) {
+    const int64_t n = static_cast<int64_t>(row_of.size()), src_rows = *std::max_element(row_of.begin(), row_of.end()) + 1;
+    const int64_t blocks = K / 32 + 4, groups = K / group;  // +4: the kernels read scales 4 at a time
+    rows.resize(n);
+    if (quantize) {
+      q.resize(src_rows * K);
+      d.assign(src_rows * blocks, 0.f);
+      xs.resize(src_rows * groups);
+      for (int64_t i = 0; i < src_rows; ++i)
+        quantize(x + i * K, K, group, q.data() + i * K, d.data() + i * blocks, xs.data() + i * groups);
+    }
+    for (int64_t s = 0; s < n; ++s) {
+      const int64_t i = row_of[s];
+      rows[s] = quantize ? Act{x + i * K, q.data() + i * K, d.data() + i * blocks, xs.data() + i * groups}
+                         : Act{x + i * K, nullptr, nullptr, nullptr};
+    }
+  }
+};
+
 static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mn, int64_t K,
                     int64_t group) {
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous(), "expert weights must be contiguous [E, N, K]");
@@ -150,19 +194,8 @@ static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, 
   return m;
 }
 
-// Per-group sums of each row of x [n, K]: the int4 minimum term needs them.
-static void group_sums(const float* x, int64_t n, int64_t K, int64_t group, float* out) {
-  const int64_t groups = K / group;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t j = 0; j < group; ++j) s += x[i * K + g * group + j];
-      out[i * groups + g] = s;
-    }
-}
-
 // out [T, H] f32 = sum over each token's k experts of weight * down(silu(gate x) * up x).
-// scratch: f32 with at least T*k*(I + I/group) + T*H/group elements (group ignored unless int4).
+// scratch: f32 with at least T*k*I elements (the activations between the two projections).
 void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, int64_t kind, int64_t group,
                  const at::Tensor& gu, const at::Tensor& gu_scale, const at::Tensor& gu_min, const at::Tensor& dn,
                  const at::Tensor& dn_scale, const at::Tensor& dn_min, at::Tensor& out, at::Tensor& scratch) {
@@ -180,7 +213,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   const Mat gum = make_mat(kind, gu, gu_scale, gu_min, H, group);
   const Mat dnm = make_mat(kind, dn, dn_scale, dn_min, I, group);
   TORCH_CHECK(dn.size(0) == E && dnm.rows == H, "down must be [E, H, I]");
-  const int64_t need = n * I + (int4 ? n * (I / g) + T * (H / g) : 0);
+  const int64_t need = n * I;
   TORCH_CHECK(scratch.scalar_type() == at::kFloat && scratch.is_contiguous() && scratch.numel() >= need,
               "scratch too small");
 
@@ -208,17 +241,15 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
     }
 
   float* act = scratch.data_ptr<float>();  // [n, I]
-  float* act_sums = act + n * I;           // [n, I/g]
-  float* x_sums = act_sums + n * (I / g);  // [T, H/g]
   const float* xp = x.data_ptr<float>();
-  if (int4) group_sums(xp, T, H, g, x_sums);
-  std::vector<const float*> x_rows(n), x_row_sums(n), act_rows(n), act_row_sums(n);
-  for (int64_t s = 0; s < n; ++s) {
-    x_rows[s] = xp + slot_token[s] * H;
-    x_row_sums[s] = x_sums + slot_token[s] * (H / g);
-    act_rows[s] = act + s * I;
-    act_row_sums[s] = act_sums + s * (I / g);
-  }
+  const QuantizeAct quantize = int4 ? quantize_for_isa() : nullptr;
+  // Reused across calls (grow-only): decode allocates nothing per step.
+  static thread_local ActRows x_rows_buf, act_rows_buf;
+  ActRows& x_rows = x_rows_buf;  // the workers must see this thread's buffers, not their own
+  ActRows& act_rows = act_rows_buf;
+  std::vector<int64_t> identity(n);
+  for (int64_t s = 0; s < n; ++s) identity[s] = s;
+  if (n > 0) x_rows.fill(xp, slot_token, H, g, quantize);
   const RowDot row_dot = row_dot_for_isa();
   const int64_t na = static_cast<int64_t>(active.size());
 
@@ -227,12 +258,12 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
     std::vector<float> gate(most), up(most);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t e = active[r / I], j = r % I, b = begin[e], c = begin[e + 1] - b;
-      row_dot(gum, e, j, x_rows.data() + b, x_row_sums.data() + b, c, gate.data());
-      row_dot(gum, e, I + j, x_rows.data() + b, x_row_sums.data() + b, c, up.data());
+      row_dot(gum, e, j, x_rows.rows.data() + b, c, gate.data());
+      row_dot(gum, e, I + j, x_rows.rows.data() + b, c, up.data());
       for (int64_t s = 0; s < c; ++s) act[(b + s) * I + j] = gate[s] / (1.f + std::exp(-gate[s])) * up[s];
     }
   });
-  if (int4) group_sums(act, n, I, g, act_sums);
+  if (n > 0) act_rows.fill(act, identity, I, g, quantize);
 
   // down: each thread owns a range of output columns, so accumulation needs no atomics
   float* o = out.data_ptr<float>();
@@ -242,7 +273,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
     for (int64_t e : active) {
       const int64_t b = begin[e], c = begin[e + 1] - b;
       for (int64_t h = h0; h < h1; ++h) {
-        row_dot(dnm, e, h, act_rows.data() + b, act_row_sums.data() + b, c, d.data());
+        row_dot(dnm, e, h, act_rows.rows.data() + b, c, d.data());
         for (int64_t s = 0; s < c; ++s) o[slot_token[b + s] * H + h] += slot_weight[b + s] * d[s];
       }
     }
