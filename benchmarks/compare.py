@@ -193,7 +193,8 @@ def main() -> None:
     bandwidth = measure_read_bandwidth(threads=args.threads)
     report = {"checkpoint": str(args.checkpoint), "threads": args.threads, "read_bandwidth_gb_s": bandwidth,
               "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": []}
-    print(f"read bandwidth {bandwidth:.1f} GB/s ({args.threads} threads)", flush=True)
+    print(f"read bandwidth {bandwidth:.1f} GB/s ({args.threads} threads); load average {os.getloadavg()[0]:.1f}",
+          flush=True)
     llama_skip = "skipped by --skip" if "llama" in skip else llama_cpp_skip_reason()
     if llama_skip:
         print(f"llama.cpp: {llama_skip}")
@@ -214,6 +215,7 @@ def main() -> None:
                 row["llama_cpp"] = {"error": str(e)}
         report["rows"].append(row)
         print(format_row(row), flush=True)
+    report["load_average_after"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

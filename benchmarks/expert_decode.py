@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import torch
@@ -119,7 +120,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     bw = measure_read_bandwidth(size_bytes=256 << 20 if args.quick else 1 << 30)
-    print(f"read bandwidth (torch sum, {args.threads} threads): {bw:.1f} GB/s")
+    print(f"read bandwidth (torch sum, {args.threads} threads): {bw:.1f} GB/s; load average {os.getloadavg()[0]:.1f}")
     gemv = {} if args.quick else {
         "f32": bare_gemv_bandwidth(14336, 4096, torch.float32),
         "bf16": bare_gemv_bandwidth(14336, 4096, torch.bfloat16),
@@ -146,7 +147,7 @@ def main() -> None:
             del ex
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"read_bandwidth_gb_per_s": bw, "bare_gemv_gb_per_s": gemv, "threads": args.threads,
+            json.dump({"load_average": os.getloadavg(), "read_bandwidth_gb_per_s": bw, "bare_gemv_gb_per_s": gemv, "threads": args.threads,
                        "shape": {"experts": e, "hidden": h, "intermediate": i}, "rows": rows}, f, indent=1)
 
 

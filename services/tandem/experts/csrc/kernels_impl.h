@@ -189,11 +189,14 @@ template <int NT>
 static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn, int64_t K, int64_t group,
                      const Act* a, float* res) {
   const int64_t blocks = K / 32, supers = blocks / kSuper, per_group = group / 32;
+  // group = 32 << shift: a shift, not a division, per block (an integer divide costs more
+  // than the block's whole dot product)
+  const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;
   T acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = V::zero();
   for (int64_t sb = 0; sb < supers; ++sb) {
     float s[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int i = 0; i < kSuper; ++i) s[i] = half_to_float(scale[(sb * kSuper + i) / per_group]);
+    for (int i = 0; i < kSuper; ++i) s[i] = half_to_float(scale[(sb * kSuper + i) >> shift]);
     const __m128 sv = _mm_loadu_ps(s);
     for (int t = 0; t < NT; ++t) {
       const __m128 sd = _mm_mul_ps(sv, _mm_loadu_ps(a[t].d + sb * kSuper));  // reads 4 floats; see Act

@@ -181,7 +181,8 @@ static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, 
       break;
     case kInt4:
       TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) * 2 == K, "int4 weights: bad dtype or K");
-      TORCH_CHECK(group % 32 == 0 && K % group == 0, "int4 group size must be a multiple of 32 dividing K");
+      TORCH_CHECK((group == 32 || group == 64 || group == 128) && K % group == 0,
+                  "int4 group size must be 32, 64 or 128 and divide K");
       TORCH_CHECK(scale.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && scale.is_contiguous() &&
                       mn.is_contiguous() && scale.numel() == w.size(0) * w.size(1) * (K / group) &&
                       mn.numel() == scale.numel(),
