@@ -58,8 +58,20 @@ def worker_hf(ckpt: str, prompt_len: int, gen_len: int, threads: int) -> dict:
 
 def worker_llama(gguf: str, prompt_len: int, gen_len: int, threads: int) -> dict:
     import llama_cpp
+    import llama_cpp.llama as llama_module
     import numpy as np
 
+    # llama.cpp's extra CPU buffer types (AMX and weight repacking) crash on this VM for Q8_0 and
+    # Q4_0 (a segfault in the first decode), so they are turned off; llama-cpp-python has no
+    # argument for it, hence the patched default parameters. RESULTS.md says so.
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_module.llama_cpp.llama_model_default_params = without_extra_buffers
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=prompt_len + gen_len + 16, n_threads=threads,
                           n_threads_batch=threads, n_batch=512, verbose=False)
     rng = np.random.default_rng(0)
@@ -86,7 +98,7 @@ def run_worker(name: str, *args) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+        return {"error": (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -142,14 +154,21 @@ def make_gguf(ckpt: Path, precision: str) -> Path:
         return base
     out = ckpt / f"tandem-compare-{LLAMA_NAMES[precision]}.gguf"
     if not out.exists():
-        import llama_cpp
-
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = ftype
-        params.nthread = os.cpu_count() or 1
-        if llama_cpp.llama_model_quantize(str(base).encode(), str(out).encode(), params) != 0:
-            raise RuntimeError(f"llama_model_quantize to {LLAMA_NAMES[precision]} failed")
+        result = run_worker("quantize", base, out, ftype)
+        if "error" in result:
+            raise RuntimeError(f"llama_model_quantize to {LLAMA_NAMES[precision]} failed: {result['error']}")
     return out
+
+
+def worker_quantize(src: str, dst: str, ftype: int) -> dict:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = os.cpu_count() or 1
+    if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params) != 0:
+        raise RuntimeError("llama_model_quantize failed")
+    return {"path": dst}
 
 
 def active_bytes(ckpt: Path, precision: str) -> float:
@@ -177,8 +196,9 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args.worker:
-        fn = {"hf": worker_hf, "llama": worker_llama}[args.worker]
-        print(json.dumps(fn(rest[0], *map(int, rest[1:]))))
+        fn = {"hf": worker_hf, "llama": worker_llama, "quantize": worker_quantize}[args.worker]
+        strings = 2 if args.worker == "quantize" else 1
+        print(json.dumps(fn(*rest[:strings], *map(int, rest[strings:]))))
         return
 
     sys.path.insert(0, str(HERE))

@@ -95,9 +95,16 @@ static void row_dot(const Mat& m, int64_t e, int64_t row, const Act* a, int64_t 
     res[t] = acc;
   }
 }
+
+static void row_dot2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const Act* a, int64_t n, float* res0,
+                     float* res1) {
+  row_dot(m, e, row0, a, n, res0);
+  row_dot(m, e, row1, a, n, res1);
+}
 }  // namespace scalar
 
 using RowDot = void (*)(const Mat&, int64_t, int64_t, const Act*, int64_t, float*);
+using RowDot2 = void (*)(const Mat&, int64_t, int64_t, int64_t, const Act*, int64_t, float*, float*);
 using QuantizeAct = void (*)(const float*, int64_t, int64_t, int8_t*, float*, float*);
 
 static std::string detect_isa() {
@@ -132,6 +139,12 @@ static RowDot row_dot_for_isa() {
   if (g_isa == "avx512") return avx512::row_dot;
   if (g_isa == "avx2") return avx2::row_dot;
   return scalar::row_dot;
+}
+
+static RowDot2 row_dot2_for_isa() {
+  if (g_isa == "avx512") return avx512::row_dot2;
+  if (g_isa == "avx2") return avx2::row_dot2;
+  return scalar::row_dot2;
 }
 
 // nullptr for the scalar kernels, which compute int4 rows on the f32 activations.
@@ -252,6 +265,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   for (int64_t s = 0; s < n; ++s) identity[s] = s;
   if (n > 0) x_rows.fill(xp, slot_token, H, g, quantize);
   const RowDot row_dot = row_dot_for_isa();
+  const RowDot2 row_dot2 = row_dot2_for_isa();
   const int64_t na = static_cast<int64_t>(active.size());
 
   // gate_up: rows j and I + j of each active expert give activation j of its tokens
@@ -259,8 +273,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
     std::vector<float> gate(most), up(most);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t e = active[r / I], j = r % I, b = begin[e], c = begin[e + 1] - b;
-      row_dot(gum, e, j, x_rows.rows.data() + b, c, gate.data());
-      row_dot(gum, e, I + j, x_rows.rows.data() + b, c, up.data());
+      row_dot2(gum, e, j, I + j, x_rows.rows.data() + b, c, gate.data(), up.data());
       for (int64_t s = 0; s < c; ++s) act[(b + s) * I + j] = gate[s] / (1.f + std::exp(-gate[s])) * up[s];
     }
   });
@@ -270,12 +283,21 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   float* o = out.data_ptr<float>();
   std::memset(o, 0, sizeof(float) * T * H);
   at::parallel_for(0, H, 16, [&](int64_t h0, int64_t h1) {
-    std::vector<float> d(most);
+    std::vector<float> d0(most), d1(most);
     for (int64_t e : active) {
       const int64_t b = begin[e], c = begin[e + 1] - b;
-      for (int64_t h = h0; h < h1; ++h) {
-        row_dot(dnm, e, h, act_rows.rows.data() + b, c, d.data());
-        for (int64_t s = 0; s < c; ++s) o[slot_token[b + s] * H + h] += slot_weight[b + s] * d[s];
+      const Act* rows = act_rows.rows.data() + b;
+      int64_t h = h0;
+      for (; h + 1 < h1; h += 2) {
+        row_dot2(dnm, e, h, h + 1, rows, c, d0.data(), d1.data());
+        for (int64_t s = 0; s < c; ++s) {
+          o[slot_token[b + s] * H + h] += slot_weight[b + s] * d0[s];
+          o[slot_token[b + s] * H + h + 1] += slot_weight[b + s] * d1[s];
+        }
+      }
+      if (h < h1) {
+        row_dot(dnm, e, h, rows, c, d0.data());
+        for (int64_t s = 0; s < c; ++s) o[slot_token[b + s] * H + h] += slot_weight[b + s] * d0[s];
       }
     }
   });
