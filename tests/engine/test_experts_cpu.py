@@ -71,10 +71,10 @@ def test_native_equals_reference_on_the_same_weights(layers, kernel_module, quan
 
 
 def assert_kernel_close(got, want, quant: str, gemm: bool = False, isa: str = "") -> None:
-    """f32 rounding, except int4 rows on SIMD kernels, whose activations are quantized to int8
-    per 32 values as llama.cpp's Q8_0 (rounding error ~0.3% per value, well under 2% after two
-    products); the scalar kernel and the GEMM path compute int4 in f32."""
-    if quant == "int4" and not gemm and isa != "scalar":
+    """f32 rounding, except int8/int4 rows on SIMD kernels, whose activations are quantized to
+    int8 per 32 values as llama.cpp's Q8_0 (rounding error ~0.3% per value, well under 2% after
+    two products); the scalar kernel and the GEMM path compute in f32."""
+    if quant in ("int8", "int4") and not gemm and isa != "scalar":
         assert 0 < rel_err(got, want) < 2e-2
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=isa)

@@ -51,6 +51,13 @@ struct V {
     const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s));
   }
+  // int8 x int8, 64 weights: w + 128 (a sign-bit flip) is unsigned, so one vpdpbusd does it;
+  // the 128 * sum(x) this adds is taken off once per row (Act::c).
+  static constexpr int kI8 = 64;
+  static inline __m512i dot_i8_q8(const int8_t* w, const int8_t* x) {
+    const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w), _mm512_set1_epi8(static_cast<char>(0x80)));
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512(x));
+  }
 };
 #else
 struct V {
@@ -102,6 +109,14 @@ struct V {
   static inline T cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
   static inline T expand_blocks(__m128 s) {
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+  }
+  // int8 x int8, 32 weights: |w| times x with w's sign (maddubs needs one unsigned side).
+  static constexpr int kI8 = 32;
+  static inline __m256i dot_i8_q8(const int8_t* w, const int8_t* x) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
   }
 };
 #endif
@@ -194,11 +209,16 @@ static inline float dot_f16(const uint16_t* a, const float* b, int64_t n) {
 
 constexpr int kSuper = V::kSuper;
 
-// Activations for int4 rows, quantized as llama.cpp's Q8_0: int8 per 32-block with an f32
-// scale d. q is in superblock order (see V::dot_i4_q8); blocks past the last full superblock
-// stay in natural order. xs gets the per-group sums of the quantized values (for the minimum).
-static void quantize_act(const float* x, int64_t K, int64_t group, int8_t* q, float* d, float* xs) {
-  const int64_t blocks = K / 32, full = blocks / kSuper * kSuper, per_group = group / 32;
+// Activations quantized as llama.cpp's Q8_0: int8 per 32-block with an f32 scale d.
+// For int4 rows (kind kInt4) q is in superblock order (see V::dot_i4_q8), blocks past the last
+// full superblock in natural order, and xs gets per-group sums (for the minimum term). For int8
+// rows q is in natural order, dexp holds each block scale once per int32 lane of
+// V::dot_i8_q8's result, and *c the correction 128 * sum(d * x) over the vector part.
+static void quantize_act(const float* x, int64_t K, int64_t group, int64_t kind, int8_t* q, float* d, float* xs,
+                         float* dexp, float* c) {
+  const int64_t blocks = K / 32, full = kind == kInt4 ? blocks / kSuper * kSuper : 0;
+  const int64_t per_group = group / 32, vec_blocks = (K / V::kI8) * (V::kI8 / 32);
+  if (kind == kInt8) *c = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[b * 32 + j]));
@@ -212,8 +232,37 @@ static void quantize_act(const float* x, int64_t K, int64_t group, int8_t* q, fl
       if (b < full) pos = (b / kSuper) * kSuper * 32 + (j / 16) * kSuper * 16 + (b % kSuper) * 16 + j % 16;
       q[pos] = static_cast<int8_t>(v);
     }
-    if (b % per_group == 0) xs[b / per_group] = 0.f;
-    xs[b / per_group] += d[b] * static_cast<float>(sum);
+    if (kind == kInt4) {
+      if (b % per_group == 0) xs[b / per_group] = 0.f;
+      xs[b / per_group] += d[b] * static_cast<float>(sum);
+    } else if (b < vec_blocks) {
+      if (V::kI8 == 64) *c += 128.f * d[b] * static_cast<float>(sum);
+      for (int lane = 0; lane < 8; ++lane) dexp[b * 8 + lane] = d[b];  // 8 int32 lanes per block
+    }
+  }
+}
+
+// int8 row x Q8 activations: sum_b d_b sum_j w_bj xq_bj (times the row scale, by the caller).
+template <int NT>
+static void dot_int8(const int8_t* w, int64_t K, const Act* a, float* res) {
+  const int64_t steps = K / V::kI8;
+  T acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = V::zero();
+  for (int64_t i = 0; i < steps; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i * V::kI8) + kPrefetch, _MM_HINT_T0);
+    for (int t = 0; t < NT; ++t) {
+      const T dot = V::cvt(V::dot_i8_q8(w + i * V::kI8, a[t].q + i * V::kI8));
+      acc[t] = V::fma(dot, V::load(a[t].dexp + i * W), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    float r = V::sum(acc[t]) - a[t].c;
+    for (int64_t b = steps * V::kI8 / 32; b < K / 32; ++b) {  // a 32-block past the last vector step
+      int32_t dot = 0;
+      for (int j = 0; j < 32; ++j) dot += w[b * 32 + j] * a[t].q[b * 32 + j];
+      r += a[t].d[b] * static_cast<float>(dot);
+    }
+    res[t] = r;
   }
 }
 
@@ -263,7 +312,10 @@ static void row_tile(const Mat& m, int64_t e, int64_t row, const Act* a, float* 
       dot_dense<LoadBF16, NT>(static_cast<const uint16_t*>(m.data) + r * m.K, m.K, x, res);
       break;
     case kInt8: {
-      dot_dense<LoadI8, NT>(static_cast<const int8_t*>(m.data) + r * m.K, m.K, x, res);
+      if (a[0].q)  // activations quantized: integer dot products
+        dot_int8<NT>(static_cast<const int8_t*>(m.data) + r * m.K, m.K, a, res);
+      else
+        dot_dense<LoadI8, NT>(static_cast<const int8_t*>(m.data) + r * m.K, m.K, x, res);
       const float s = m.scale[r];
       for (int t = 0; t < NT; ++t) res[t] *= s;
       break;
@@ -307,7 +359,12 @@ static void row_tile2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const
     }
     case kInt8: {
       const int8_t* w = static_cast<const int8_t*>(m.data);
-      dot_dense2<LoadI8, NT>(w + r0 * m.K, w + r1 * m.K, m.K, x, res0, res1);
+      if (a[0].q) {
+        dot_int8<NT>(w + r0 * m.K, m.K, a, res0);
+        dot_int8<NT>(w + r1 * m.K, m.K, a, res1);
+      } else {
+        dot_dense2<LoadI8, NT>(w + r0 * m.K, w + r1 * m.K, m.K, x, res0, res1);
+      }
       for (int t = 0; t < NT; ++t) {
         res0[t] *= m.scale[r0];
         res1[t] *= m.scale[r1];

@@ -37,9 +37,11 @@ struct Mat {
 // 32-block in the ISA's superblock order, block scales d padded by 4 floats, group sums xs).
 struct Act {
   const float* x;
-  const int8_t* q;
+  const int8_t* q;  // nullptr: the kernels use x
   const float* d;
-  const float* xs;
+  const float* xs;    // int4: per-group sums
+  const float* dexp;  // int8: block scales per int32 lane
+  float c;            // int8: correction (see quantize_act)
 };
 
 static inline float bf16_to_float(uint16_t v) {
@@ -105,7 +107,7 @@ static void row_dot2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const 
 
 using RowDot = void (*)(const Mat&, int64_t, int64_t, const Act*, int64_t, float*);
 using RowDot2 = void (*)(const Mat&, int64_t, int64_t, int64_t, const Act*, int64_t, float*, float*);
-using QuantizeAct = void (*)(const float*, int64_t, int64_t, int8_t*, float*, float*);
+using QuantizeAct = void (*)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*, float*, float*);
 
 static std::string detect_isa() {
   __builtin_cpu_init();
@@ -154,27 +156,33 @@ static QuantizeAct quantize_for_isa() {
   return nullptr;
 }
 
-// Activations of n rows x [n, K] for the kernels, quantized for int4 rows when the ISA's kernel wants it.
+// Activations of n rows x [n, K] for the kernels, quantized (Q8) when the rows are int8 or int4.
 struct ActRows {
   std::vector<Act> rows;
   std::vector<int8_t> q;
-  std::vector<float> d, xs;
+  std::vector<float> d, xs, dexp, c;
 
-  void fill(const float* x, const std::vector<int64_t>& row_of, int64_t K, int64_t group, QuantizeAct quantize) {
+  // quantize: nullptr leaves the rows f32 (kind is then ignored).
+  void fill(const float* x, const std::vector<int64_t>& row_of, int64_t K, int64_t group, int64_t kind,
+            QuantizeAct quantize) {
     const int64_t n = static_cast<int64_t>(row_of.size()), src_rows = *std::max_element(row_of.begin(), row_of.end()) + 1;
-    const int64_t blocks = K / 32 + 4, groups = K / group;  // +4: the kernels read scales 4 at a time
+    const int64_t blocks = K / 32 + 4, groups = K / group, lanes = K / 4 + 16;  // padding: see the kernels
     rows.resize(n);
     if (quantize) {
       q.resize(src_rows * K);
       d.assign(src_rows * blocks, 0.f);
       xs.resize(src_rows * groups);
+      dexp.resize(src_rows * lanes);
+      c.resize(src_rows);
       for (int64_t i = 0; i < src_rows; ++i)
-        quantize(x + i * K, K, group, q.data() + i * K, d.data() + i * blocks, xs.data() + i * groups);
+        quantize(x + i * K, K, group, kind, q.data() + i * K, d.data() + i * blocks, xs.data() + i * groups,
+                 dexp.data() + i * lanes, c.data() + i);
     }
     for (int64_t s = 0; s < n; ++s) {
       const int64_t i = row_of[s];
-      rows[s] = quantize ? Act{x + i * K, q.data() + i * K, d.data() + i * blocks, xs.data() + i * groups}
-                         : Act{x + i * K, nullptr, nullptr, nullptr};
+      rows[s] = quantize ? Act{x + i * K, q.data() + i * K, d.data() + i * blocks, xs.data() + i * groups,
+                               dexp.data() + i * lanes, c[i]}
+                         : Act{x + i * K, nullptr, nullptr, nullptr, nullptr, 0.f};
     }
   }
 };
@@ -223,7 +231,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), n = T * k;
   const int64_t E = gu.size(0), I = gu.size(1) / 2;
   const bool int4 = kind == kInt4;
-  const int64_t g = int4 ? group : 1;
+  const int64_t g = int4 ? group : 32;  // int4 groups; else only sizes buffers
   const Mat gum = make_mat(kind, gu, gu_scale, gu_min, H, group);
   const Mat dnm = make_mat(kind, dn, dn_scale, dn_min, I, group);
   TORCH_CHECK(dn.size(0) == E && dnm.rows == H, "down must be [E, H, I]");
@@ -256,14 +264,17 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
 
   float* act = scratch.data_ptr<float>();  // [n, I]
   const float* xp = x.data_ptr<float>();
-  const QuantizeAct quantize = int4 ? quantize_for_isa() : nullptr;
+  // Quantized activations for int4 always, for int8 when K is whole 32-blocks (else f32 math).
+  const QuantizeAct quantize = int4 || kind == kInt8 ? quantize_for_isa() : nullptr;
+  const QuantizeAct quantize_x = int4 || H % 32 == 0 ? quantize : nullptr;
+  const QuantizeAct quantize_act = int4 || I % 32 == 0 ? quantize : nullptr;
   // Reused across calls (grow-only): decode allocates nothing per step.
   static thread_local ActRows x_rows_buf, act_rows_buf;
   ActRows& x_rows = x_rows_buf;  // the workers must see this thread's buffers, not their own
   ActRows& act_rows = act_rows_buf;
   std::vector<int64_t> identity(n);
   for (int64_t s = 0; s < n; ++s) identity[s] = s;
-  if (n > 0) x_rows.fill(xp, slot_token, H, g, quantize);
+  if (n > 0) x_rows.fill(xp, slot_token, H, g, kind, quantize_x);
   const RowDot row_dot = row_dot_for_isa();
   const RowDot2 row_dot2 = row_dot2_for_isa();
   const int64_t na = static_cast<int64_t>(active.size());
@@ -277,7 +288,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
       for (int64_t s = 0; s < c; ++s) act[(b + s) * I + j] = gate[s] / (1.f + std::exp(-gate[s])) * up[s];
     }
   });
-  if (n > 0) act_rows.fill(act, identity, I, g, quantize);
+  if (n > 0) act_rows.fill(act, identity, I, g, kind, quantize_act);
 
   // down: each thread owns a range of output columns, so accumulation needs no atomics
   float* o = out.data_ptr<float>();
