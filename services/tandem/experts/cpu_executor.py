@@ -1,8 +1,10 @@
 """The fast CPU expert executor: quantized weights, a fused native kernel, torch as fallback.
 
 Decode-shaped batches (few tokens) go to the native kernel, which streams each touched
-expert's rows once for all tokens routed to it. Prefill-shaped batches (many tokens per
-expert) are compute-bound, so they go to MKL's GEMM one expert at a time instead.
+expert's rows once for all tokens routed to it; for int8 and int4 rows it quantizes the
+activations to int8 per 32 values (llama.cpp's Q8_0) and uses integer dot products.
+Prefill-shaped batches (many tokens per expert) are compute-bound, so they go to MKL's GEMM
+one expert at a time instead, on dequantized weights.
 """
 
 from __future__ import annotations
