@@ -15,6 +15,7 @@ from torch import nn
 from tandem.experts.base import ExpertExecutor
 from tandem.model.config import ModelConfig
 from tandem.model.layers import DenseMLP
+from tandem.model.moe import run_routed_experts
 
 
 def route_grouped_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
@@ -67,14 +68,7 @@ class DeepseekMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, k]
-        out = self._routed(x, ids, weights)  # [T, H]
+        out = run_routed_experts(self.executor, self.layer, x, ids, weights)  # [T, H]
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
-
-    def _routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # The experts live in the CPU socket's memory: hidden states cross to it and back.
-        if x.device.type == "cpu":
-            return self.executor.forward(self.layer, x, ids, weights)
-        out = self.executor.forward(self.layer, x.cpu(), ids.cpu(), weights.cpu())
-        return out.to(x.device, non_blocking=True)

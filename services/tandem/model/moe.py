@@ -20,6 +20,16 @@ def route_softmax(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[to
     return weights, ids
 
 
+def run_routed_experts(executor: ExpertExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+    """Call the expert executor; x [T, H], ids/weights [T, k] -> [T, H] on x's device."""
+    # The experts live in the CPU socket's memory: hidden states cross to it and back.
+    if x.device.type == "cpu":
+        return executor.forward(layer, x, ids, weights)
+    out = executor.forward(layer, x.cpu(), ids.cpu(), weights.cpu())
+    return out.to(x.device, non_blocking=True)
+
+
 class SparseMoe(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, executor: ExpertExecutor):
         super().__init__()
@@ -37,14 +47,7 @@ class SparseMoe(nn.Module):
         weights, ids = route_softmax(self.gate(x), self.top_k, self.normalize)  # [T, k]
         if self.round_weights:
             weights = weights.to(x.dtype).float()
-        out = self._routed(x, ids, weights)  # [T, H]
+        out = run_routed_experts(self.executor, self.layer, x, ids, weights)  # [T, H]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
-
-    def _routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # The experts live in the CPU socket's memory: hidden states cross to it and back.
-        if x.device.type == "cpu":
-            return self.executor.forward(self.layer, x, ids, weights)
-        out = self.executor.forward(self.layer, x.cpu(), ids.cpu(), weights.cpu())
-        return out.to(x.device, non_blocking=True)
