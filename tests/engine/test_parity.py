@@ -61,8 +61,12 @@ def test_bfloat16_tracks_transformers(arch, demo_model_dir):
     # bf16 keeps ~3 significant digits and the two sides sum in different orders (we accumulate
     # experts in float32), so logits agree to a few bf16 ulps and tokens agree until the reference
     # meets a near-tie (top-2 margin within that tolerance), after which the contexts may differ.
-    model_dir = demo_model_dir(arch, initializer_range=0.2)
-    tol, checked = 0.2, 0
+    assert_bfloat16_tracks(demo_model_dir(arch, initializer_range=0.2), tol=0.2)
+
+
+def assert_bfloat16_tracks(model_dir, tol: float) -> None:
+    """Logits within `tol` of transformers' bf16 run; tokens equal until the reference's top-2 margin < tol."""
+    checked = 0
     for seed in range(2, 6):
         prompt = prompt_for(seed, 9)
         ref_tokens, ref_logits = hf_greedy(model_dir, prompt, 8, dtype=torch.bfloat16)
