@@ -80,8 +80,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--threads", type=int, help="CPU threads for the experts (default: all cores)")
     p.add_argument("--expert-quant", choices=["none", "int8", "int4"], default="none")
+    add_dense_quant_arg(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int)
+
+
+def add_dense_quant_arg(p: argparse.ArgumentParser) -> None:
+    from tandem import contract
+
+    p.add_argument(contract.DENSE_QUANT_FLAG, choices=contract.DENSE_QUANTS,
+                   help="weight-only quantization of the dense layers: attention, dense MLPs, shared experts, "
+                        f"LM head; routers stay full precision (default: ${contract.DENSE_QUANT_ENV}, else none)")
+
+
+def apply_dense_quant_flag(args) -> None:
+    """Hand `--dense-quant` to the model loader, which reads it from the environment (the engine
+    and server options do not carry it yet); unset leaves the environment's value."""
+    import os
+
+    from tandem import contract
+
+    if getattr(args, "dense_quant", None) is not None:
+        os.environ[contract.DENSE_QUANT_ENV] = args.dense_quant
 
 
 def cmd_make_demo_model(args) -> int:
@@ -117,6 +137,7 @@ def build_engine(args):
     from tandem.engine.llm_engine import EngineConfig, LLMEngine
     from tandem.model.config import ModelError
 
+    apply_dense_quant_flag(args)
     try:
         config = EngineConfig(block_size=args.block_size, max_model_len=args.max_model_len)
         return LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config,

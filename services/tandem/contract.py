@@ -26,6 +26,8 @@ WAITING_REQUESTS = "tandem_waiting_requests"
 KV_BLOCKS_USED = "tandem_kv_blocks_used"  # gauge, label tier
 KV_BLOCKS_TOTAL = "tandem_kv_blocks_total"  # gauge, label tier
 EXPERT_CALL_LATENCY = "tandem_expert_call_latency_seconds"
+CPU_ATTENTION_LATENCY = "tandem_cpu_attention_latency_seconds"  # one layer's attention over the CPU KV tier
+OFFLOADED_REQUESTS = "tandem_offloaded_requests"  # gauge: running requests whose KV is on the CPU tier
 
 # Histogram buckets for latencies: 1 ms to 10 s.
 LATENCY_BUCKETS = (
@@ -55,3 +57,11 @@ EXPERT_QUANTS = ("none", "int8", "int4")
 # The experts role shares its pod's network namespace with the attention role, so its own
 # metrics endpoint needs a port of its own.
 EXPERTS_METRICS_PORT = 9401
+
+# Weight-only quantization of the dense (non-expert) layers: attention, dense MLPs, shared
+# experts, LM head. A flag of `tandem serve`, `generate` and `bench` that is not in SERVE_FLAGS
+# yet (the operator does not render it); the flag reaches the model loader through the
+# environment variable, which a pod spec can set as well.
+DENSE_QUANT_FLAG = "--dense-quant"
+DENSE_QUANTS = ("none", "int8")
+DENSE_QUANT_ENV = "TANDEM_DENSE_QUANT"

@@ -32,8 +32,12 @@ class ExpertTraffic:
 
 
 def dense_weight_bytes(model) -> int:
-    """Bytes of the non-expert weights one decode step reads (embedding lookups read a row only)."""
+    """Bytes of the non-expert weights one decode step reads (embedding lookups read a row only),
+    int8 dense layers (`--dense-quant int8`) at their quantized size."""
+    from tandem.model.quant_linear import dense_nbytes
+
     total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    total += dense_nbytes(model)
     if model.cfg.tie_word_embeddings:
         emb = model.model.embed_tokens.weight
         total += emb.numel() * emb.element_size()

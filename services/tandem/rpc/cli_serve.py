@@ -39,9 +39,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(F["gpu_memory_fraction"], type=float, default=0.9,
                    help="share of free GPU memory for the device KV tier (default 0.9)")
     p.add_argument(F["cpu_kv_gib"], type=float, default=1.0, help="GiB of CPU-tier KV (default 1)")
+    p.add_argument("--num-device-blocks", type=int,
+                   help="KV blocks of the device tier, instead of sizing it from the device's free memory")
+    p.add_argument("--cpu-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="a sequence the device KV tier cannot hold moves to the CPU tier and keeps decoding "
+                        "there, attention on the CPU cores (default); --no-cpu-decode pauses it until the "
+                        "device tier has room")
     p.add_argument(F["expert_quant"], choices=contract.EXPERT_QUANTS, default="none",
                    help="weight-only quantization of the routed experts (default none)")
+    from tandem.cli import add_dense_quant_arg
+
+    add_dense_quant_arg(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="largest running batch (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens computed per engine step, prefill chunks included (default 2048)")
     p.add_argument("--max-model-len", type=int, help="longest prompt plus generation (default: the model's)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="waiting requests beyond this are refused with RESOURCE_EXHAUSTED (default 1024)")
@@ -64,7 +75,9 @@ def options_from_args(args):
         model=args.model, listen=args.listen, metrics_port=metrics_port, role=args.role,
         experts=args.experts, kv_shm=args.kv_shm, device=args.device, dtype=args.dtype, threads=args.threads,
         block_size=args.block_size, gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib,
-        expert_quant=args.expert_quant, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        num_device_blocks=args.num_device_blocks, cpu_decode=args.cpu_decode,
+        expert_quant=args.expert_quant, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout)
 
 
@@ -72,7 +85,7 @@ def run_serve(args) -> int:
     """Runs `tandem serve` until SIGTERM/SIGINT; returns the exit status."""
     from pathlib import Path
 
-    from tandem.cli import UsageError
+    from tandem.cli import UsageError, apply_dense_quant_flag
     from tandem.rpc.server import serve
 
     try:
@@ -81,6 +94,7 @@ def run_serve(args) -> int:
         raise UsageError(str(exc)) from None
     if not (Path(opts.model) / "config.json").is_file():
         raise UsageError(f"--model: {opts.model} is not a checkpoint directory (no config.json)")
+    apply_dense_quant_flag(args)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve(opts))

@@ -314,11 +314,54 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   });
 }
 
+// out [T, N] f32 = x [T, K] times the rows of w [N, K]: a dense layer (attention projection,
+// dense MLP, LM head) in f32, bf16 or int8 (per-row f32 scale) storage. Each row is read once
+// for all T tokens, two rows at a time, as for the experts; int8 rows take Q8 activations when
+// K is whole 32-blocks.
+void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& scale, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous f32 [T, K]");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [N, K]");
+  TORCH_CHECK(kind == kF32 || kind == kBF16 || kind == kInt8, "dense weights must be f32, bf16 or int8");
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == T &&
+                  out.size(1) == N,
+              "out must be contiguous f32 [T, N]");
+  const at::Tensor w3 = w.view({1, N, w.size(1)});
+  const Mat m = make_mat(kind, w3, scale, scale, K, 32);
+  if (T == 0 || N == 0) return;
+  const QuantizeAct quantize = kind == kInt8 && K % 32 == 0 ? quantize_for_isa() : nullptr;
+  static thread_local ActRows rows_buf;
+  ActRows& rows = rows_buf;  // the workers must see this thread's buffers, not their own
+  std::vector<int64_t> identity(T);
+  for (int64_t t = 0; t < T; ++t) identity[t] = t;
+  rows.fill(x.data_ptr<float>(), identity, K, 32, kind, quantize);
+  const RowDot row_dot = row_dot_for_isa();
+  const RowDot2 row_dot2 = row_dot2_for_isa();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
+    std::vector<float> r0(T), r1(T);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = 2 * p;
+      if (n + 1 < N) {
+        row_dot2(m, 0, n, n + 1, rows.rows.data(), T, r0.data(), r1.data());
+        for (int64_t t = 0; t < T; ++t) {
+          o[t * N + n] = r0[t];
+          o[t * N + n + 1] = r1[t];
+        }
+      } else {
+        row_dot(m, 0, n, rows.rows.data(), T, r0.data());
+        for (int64_t t = 0; t < T; ++t) o[t * N + n] = r0[t];
+      }
+    }
+  });
+}
+
 }  // namespace tandem
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Tandem's fused CPU kernel for routed experts";
   m.def("moe_forward", &tandem::moe_forward, "fused routed-expert forward into out [T, H]");
+  m.def("linear_forward", &tandem::linear_forward, "dense layer x [T, K] times w [N, K] into out [T, N]");
   m.def("set_isa", &tandem::set_isa, "force an instruction set: scalar, avx2 or avx512");
   m.def("isa", [] { return tandem::g_isa; }, "the instruction set in use");
   m.def("supported_isas", &tandem::supported_isas, "instruction sets this CPU can run");
