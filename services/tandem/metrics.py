@@ -40,6 +40,10 @@ class ServingMetrics:
         self.expert_call_latency = Histogram(
             contract.EXPERT_CALL_LATENCY, "Seconds per routed-expert call (one MoE layer, one step).",
             buckets=buckets, registry=reg)
+        self.cpu_attention_latency = Histogram(
+            contract.CPU_ATTENTION_LATENCY,
+            "Seconds per attention call over the CPU KV tier (one layer, one step, offloaded sequences).",
+            buckets=buckets, registry=reg)
         self.requests = Counter(
             contract.REQUESTS, "Generate requests by outcome.", ["outcome"], registry=reg)
         self.prompt_tokens = Counter(
@@ -52,6 +56,9 @@ class ServingMetrics:
             contract.RUNNING_REQUESTS, "Requests in the running batch.", registry=reg)
         self.waiting_requests = Gauge(
             contract.WAITING_REQUESTS, "Requests waiting to be scheduled (swapped ones included).",
+            registry=reg)
+        self.offloaded_requests = Gauge(
+            contract.OFFLOADED_REQUESTS, "Running requests whose KV is on the CPU tier (decoding there).",
             registry=reg)
         self.kv_blocks_used = Gauge(
             contract.KV_BLOCKS_USED, "KV cache blocks in use, per tier.", ["tier"], registry=reg)
@@ -74,6 +81,7 @@ class ServingMetrics:
         """Copies an `EngineStats` into the gauges."""
         self.running_requests.set(stats.num_running)
         self.waiting_requests.set(stats.num_waiting + getattr(stats, "num_swapped", 0))
+        self.offloaded_requests.set(getattr(stats, "num_offloaded", 0))
         for tier, n in stats.kv_blocks_used.items():
             self.kv_blocks_used.labels(tier=tier).set(n)
         for tier, n in stats.kv_blocks_total.items():

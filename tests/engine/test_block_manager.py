@@ -215,13 +215,16 @@ def test_swap_out_and_in_maps_ids_and_restores_counts():
     assert bm.block_table(seq) == [c for _, c in out]
     assert (bm.num_used_blocks(DEVICE), bm.num_used_blocks(CPU)) == (0, 3)
     assert not bm.can_swap_out(seq)
-    with pytest.raises(RuntimeError, match="swapped out"):
-        bm.allocate_slots(seq, 1)
+    # A sequence on the CPU tier grows there (an offloaded sequence decoding on the CPU).
+    assert bm.allocate_slots(seq, 3)  # 13 slots: a fourth block
+    assert (bm.num_used_blocks(DEVICE), bm.num_used_blocks(CPU)) == (0, 4)
+    assert not bm.allocate_slots(seq, 7)  # 17 slots need a fifth block: the CPU tier has 4
     assert bm.can_swap_in(seq)
+    cpu_table = bm.block_table(seq)
     back = bm.swap_in(seq)
-    assert [c for c, _ in back] == [c for _, c in out]
+    assert [c for c, _ in back] == cpu_table and len(cpu_table) == 4
     assert bm.block_table(seq) == [d for _, d in back]
-    assert (bm.num_used_blocks(DEVICE), bm.num_used_blocks(CPU)) == (3, 0)
+    assert (bm.num_used_blocks(DEVICE), bm.num_used_blocks(CPU)) == (4, 0)
     bm.free(seq)
     assert (bm.num_free_blocks(DEVICE), bm.num_free_blocks(CPU)) == (6, 4)
 

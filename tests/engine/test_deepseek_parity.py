@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from test_parity import assert_bfloat16_tracks, hf_greedy, prompt_for, tandem_greedy
+from tier_probe import count_tier_traffic
 
 from tandem.cli import main
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
@@ -53,28 +54,27 @@ def test_batch_of_different_lengths_equals_each_alone(demo_model_dir):
         assert (logits - alone_logits).abs().max().item() <= 1e-4
 
 
-def test_preemption_swaps_latent_blocks_to_cpu_tier_and_back(demo_model_dir):
+@pytest.mark.parametrize("cpu_decode", [False, True], ids=["swap", "cpu-decode"])
+def test_sequences_moved_to_the_cpu_tier_lose_nothing(demo_model_dir, cpu_decode):
+    # swap: latent blocks go to the CPU tier and back. cpu-decode: they stay there and the
+    # sequence decodes with absorbed attention over the CPU tier.
     model_dir = demo_model_dir("deepseek_v3", initializer_range=0.2)
     prompts = [prompt_for(s, n) for s, n in [(7, 10), (8, 15), (9, 8)]]
     # 12 device blocks of 4 tokens hold one sequence at full length (15 + 32), not three.
-    engine = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="float32",
-                                       config=EngineConfig(block_size=4, num_device_blocks=12, num_cpu_blocks=64,
-                                                           max_model_len=48, enable_prefix_caching=False))
-    swaps = {"out": 0, "in": 0}
-    real_swap = engine.runner.swap
-
-    def counting_swap(swap_out, swap_in):
-        swaps["out"] += len(swap_out)
-        swaps["in"] += len(swap_in)
-        real_swap(swap_out, swap_in)
-
-    engine.runner.swap = counting_swap
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="float32", config=EngineConfig(
+        block_size=4, num_device_blocks=12, num_cpu_blocks=64, max_model_len=48, enable_prefix_caching=False,
+        max_num_batched_tokens=16, cpu_decode=cpu_decode))
+    swaps, cpu_tokens = count_tier_traffic(engine)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     results = engine.generate(prompts, params)
-    assert swaps["out"] > 0 and swaps["in"] > 0, f"no swapping happened: {swaps}"
+    if cpu_decode:
+        assert swaps["out"] > 0 and swaps["in"] == 0 and cpu_tokens[0] > 0, (swaps, cpu_tokens)
+    else:
+        assert swaps["out"] > 0 and swaps["in"] > 0 and cpu_tokens[0] == 0, (swaps, cpu_tokens)
     for prompt, result in zip(prompts, results):
         [alone], _, _ = tandem_greedy(model_dir, [prompt], 32)
         assert result.token_ids == alone
+    assert engine.stats().kv_blocks_used == {"device": 0, "cpu": 0}
 
 
 def test_bfloat16_tracks_transformers(demo_model_dir):

@@ -8,6 +8,7 @@ from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import InvalidRequest, SamplingParams
 from tandem.engine.scheduler import QueueFull
 from tandem.kv.cache import CPU, DEVICE
+from tier_probe import count_tier_traffic
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -30,15 +31,39 @@ def prompts(n, length=13):
 def test_preemption_by_swap_to_cpu_tier_loses_nothing(model_dir):
     reference = [c.token_ids for c in engine(model_dir).generate(prompts(4), GREEDY)]
     # 4 sequences of ~40 tokens need ~40 blocks of 4; 16 device blocks force swaps to the CPU tier.
-    small = engine(model_dir, block_size=4, num_device_blocks=16, num_cpu_blocks=64, max_model_len=64)
-    swapped = []
-    original = small.runner.swap
-    small.runner.swap = lambda out, into: (swapped.append((len(out), len(into))), original(out, into))
+    small = engine(model_dir, block_size=4, num_device_blocks=16, num_cpu_blocks=64, max_model_len=64,
+                   cpu_decode=False)
+    swaps, cpu_tokens = count_tier_traffic(small)
     results = small.generate(prompts(4), GREEDY)
     assert [c.token_ids for c in results] == reference
-    assert any(out for out, _ in swapped) and any(into for _, into in swapped), swapped
+    assert swaps["out"] and swaps["in"] and not cpu_tokens[0], (swaps, cpu_tokens)
     stats = small.stats()
     assert stats.kv_blocks_used[CPU] == 0 and stats.num_swapped == 0
+
+
+def test_sequences_outgrowing_the_device_tier_decode_on_the_cpu_tier(model_dir):
+    reference = [c.token_ids for c in engine(model_dir).generate(prompts(4), GREEDY)]
+    # The device tier holds 32 tokens: less than one sequence at full length (16 + 24), so
+    # sequences move to the CPU tier mid-decode and finish there.
+    small = engine(model_dir, block_size=4, num_device_blocks=8, num_cpu_blocks=64, max_model_len=64,
+                   max_num_batched_tokens=16)
+    swaps, cpu_tokens = count_tier_traffic(small)
+    seen_offloaded = []
+    real_step = small.step
+    small.step = lambda: (seen_offloaded.append(small.stats().num_offloaded), real_step())[1]
+    results = small.generate(prompts(4), GREEDY)
+    assert [c.token_ids for c in results] == reference
+    assert swaps["out"] and not swaps["in"] and cpu_tokens[0] >= 24, (swaps, cpu_tokens)
+    assert max(seen_offloaded) >= 2
+    stats = small.stats()
+    assert stats.kv_blocks_used == {DEVICE: 0, CPU: 0} and stats.num_offloaded == 0
+
+
+def test_without_cpu_decode_the_device_tier_must_hold_a_whole_sequence(model_dir):
+    with pytest.raises(ValueError, match="device KV tier holds 32 tokens, fewer than max_model_len=64"):
+        engine(model_dir, block_size=4, num_device_blocks=8, num_cpu_blocks=64, max_model_len=64, cpu_decode=False)
+    with pytest.raises(ValueError, match="device KV tier holds 32 tokens and the CPU tier 16"):
+        engine(model_dir, block_size=4, num_device_blocks=8, num_cpu_blocks=4, max_model_len=64)
 
 
 def test_preemption_by_recompute_when_cpu_tier_is_full_loses_nothing(model_dir):

@@ -35,12 +35,14 @@ class FakeModel:
         for work in out.scheduled:
             seq, table = work.seq, work.block_table
             assert len(table) * BS >= work.start_pos + len(work.token_ids)
-            context = [self.kv[DEVICE][table[p // BS]][p % BS] for p in range(work.start_pos)]
+            assert self.bm.tier_of(seq) == work.tier
+            kv = self.kv[work.tier]  # offloaded sequences read and write the CPU tier
+            context = [kv[table[p // BS]][p % BS] for p in range(work.start_pos)]
             assert context == seq.all_token_ids[:work.start_pos], "KV lost or corrupted"
             for p, token in enumerate(work.token_ids, start=work.start_pos):
                 block = table[p // BS]
-                assert self.bm._pools[DEVICE].blocks[block].ref_count == 1, "wrote into a shared block"
-                self.kv[DEVICE][block][p % BS] = token
+                assert self.bm._pools[work.tier].blocks[block].ref_count == 1, "wrote into a shared block"
+                kv[block][p % BS] = token
             if work.sample:
                 sampled[seq.request_id] = next_token(context + work.token_ids)
         return sampled
@@ -203,6 +205,51 @@ def test_preemption_victim_is_swapped_and_state_is_consistent():
     assert [w.seq for w in out.scheduled] == [a]
     assert sched.block_manager.tier_of(b) == CPU and sched.num_swapped == 1
     assert b.num_computed_tokens == 8 and b.num_output_tokens == 1
+
+
+def test_cpu_decode_moves_the_victim_to_the_cpu_tier_where_it_keeps_running():
+    sched, model = make(num_device=4, num_cpu=8, cpu_decode=True)
+    a, b = seq("a", 8, max_tokens=20), seq("b", 8, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    step(sched, model)  # both prefilled: 2 blocks each, device full
+    b_table = sched.block_manager.block_table(b)
+    out, changed = step(sched, model)  # both need a third block on this decode
+    assert out.preempted == [] and out.offloaded == [b] and b.status is SequenceStatus.RUNNING
+    assert [d for d, _ in out.swap_out] == b_table and not out.swap_in
+    assert {w.seq.request_id: w.tier for w in out.scheduled} == {"a": DEVICE, "b": CPU}
+    assert changed == [a, b] and b.num_output_tokens == 2  # b decoded on the CPU tier this very step
+    assert sched.num_offloaded == 1 and sched.num_swapped == 0
+    assert sched.block_manager.num_used_blocks(CPU) == 3
+
+
+def test_cpu_decode_keeps_every_token_and_runs_contexts_longer_than_the_device_tier():
+    prompts = {f"r{i}": [(7 * i + j) % 40 + 1 for j in range(6 + 3 * i)] for i in range(4)}
+    expected = reference_outputs(prompts, max_tokens=30)
+    # 6 device blocks hold 24 tokens; each sequence grows to 36-45; the CPU tier holds 48 blocks.
+    sched, model = make(num_device=6, num_cpu=48, cpu_decode=True, max_model_len=64, max_num_batched_tokens=8)
+    seqs = [seq(rid, p, max_tokens=30) for rid, p in prompts.items()]
+    for s in seqs:
+        sched.add(s)
+    outs = run_all(sched, model)
+    assert not any(o.swap_in or o.preempted for o in outs)
+    offloaded = {s.request_id for o in outs for s in o.offloaded}
+    assert len(offloaded) >= 3
+    assert {s.request_id: s.output_token_ids for s in seqs} == expected
+    assert_all_free(sched)
+
+
+def test_cpu_decode_recomputes_when_the_cpu_tier_is_full_too():
+    prompts = {f"r{i}": [(5 * i + j) % 30 + 1 for j in range(6)] for i in range(4)}
+    expected = reference_outputs(prompts, max_tokens=18)
+    sched, model = make(num_device=6, num_cpu=6, cpu_decode=True, max_model_len=24, max_num_batched_tokens=8)
+    seqs = [seq(rid, p, max_tokens=18) for rid, p in prompts.items()]
+    for s in seqs:
+        sched.add(s)
+    outs = run_all(sched, model)
+    assert any(o.offloaded for o in outs) and any(o.preempted for o in outs)
+    assert {s.request_id: s.output_token_ids for s in seqs} == expected
+    assert_all_free(sched)
 
 
 def test_preemption_by_recompute_when_the_cpu_tier_is_full():

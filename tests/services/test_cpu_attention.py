@@ -87,3 +87,49 @@ def test_layout_is_published_next_to_the_shared_files(tmp_path, model_dir):
     mine[0, 0, 0] = 42.0
     assert torch.all(tensors["k"][0, 0, 0] == 42.0)
 
+
+
+async def test_prefill_chunks_and_the_latent_layout_over_the_shared_tier(start_server, model_dir, tmp_path):
+    """Several queries per sequence (a chunk offloaded mid-prefill) over DeepSeek's latent cache:
+    the experts process attends in the latent space with no weights, and once the attention side
+    projects the result out it equals MLA computed by the model's own code on the same blocks."""
+    from tandem.model.deepseek_attention import LATENT
+    from tandem.model.deepseek_mla import absorb_query, paged_latent_attention, unabsorb_output
+
+    path, shm = model_dir("deepseek_v3"), tmp_path / "shm" / "kv"
+    server = await start_server(model=str(path), role="experts", listen=f"unix:{tmp_path}/experts.sock",
+                                kv_shm=str(shm))
+    engine = LLMEngine.from_pretrained(path, device="cpu", config=EngineConfig(
+        max_model_len=256, max_num_seqs=4, cpu_kv_gib=0.01, kv_shm_path=str(shm)))
+    publish_layout(engine.cache, shm)
+    torch.manual_seed(0)
+    engine.cache.tiers[CPU][LATENT].normal_()
+    layer = 1
+    attn = engine.model.model.layers[layer].self_attn
+    dims, heads = attn.dims, attn.num_heads
+    tables, lens, query_lens = [[3, 1], [0], [5, 6, 2]], [7, 4, 30], [1, 4, 2]
+    t = sum(query_lens)
+    q_nope, q_pe = torch.randn(t, heads, dims.qk_nope_head_dim), torch.randn(t, heads, dims.qk_rope_head_dim)
+    w = attn.kv_b_proj.weight.detach()
+    client = GrpcExpertExecutor(server.address)
+    try:
+        latent_out = await asyncio.to_thread(
+            client.cpu_attention, layer, absorb_query(q_nope, q_pe, w, dims), tables, lens, dims.softmax_scale,
+            query_lens=query_lens, value_dim=dims.kv_lora_rank)
+        assert latent_out.shape == (t, heads, dims.kv_lora_rank)
+        meta = AttentionMetadata.build([n - q for n, q in zip(lens, query_lens)], query_lens, tables,
+                                       engine.cache.block_size, torch.device("cpu"))
+        # single-query sequences take the absorbed form there, the others the expanded one
+        expected = paged_latent_attention(q_nope, q_pe, engine.cache.layer(layer, CPU)[LATENT], meta, w, dims)
+        torch.testing.assert_close(unabsorb_output(latent_out, w, dims), expected, rtol=1e-4, atol=1e-5)
+        bad = [((layer, absorb_query(q_nope, q_pe, w, dims), tables, lens), dict(query_lens=query_lens), "value_dim"),
+               ((layer, q_nope, tables, lens), dict(query_lens=query_lens, value_dim=8), "query"),
+               ((layer, absorb_query(q_nope, q_pe, w, dims), tables, lens), dict(query_lens=[1, 4, 3], value_dim=8),
+                "query_lens"),
+               ((layer, absorb_query(q_nope[:2], q_pe[:2], w, dims), [[0]], [1]), dict(query_lens=[2], value_dim=8),
+                "query_lens")]
+        for args, kwargs, name in bad:
+            with pytest.raises(RuntimeError, match=f"INVALID_ARGUMENT: {name}:"):
+                await asyncio.to_thread(client.cpu_attention, *args, **kwargs)
+    finally:
+        client.close()

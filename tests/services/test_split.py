@@ -77,6 +77,45 @@ async def test_split_pair_generates_what_the_embedded_server_does(serve_process,
         await check_experts_read_the_shared_cpu_tier(experts.address, tmp_path / "shm" / "kv")
 
 
+# A device KV tier of 6 blocks of 4 tokens: every prompt here outgrows it within 24 new tokens.
+TINY_DEVICE_TIER = ["--block-size", "4", "--num-device-blocks", "6", "--max-num-batched-tokens", "16",
+                    "--max-model-len", "64", "--max-num-seqs", "8", "--cpu-kv-gib", "0.01"]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+async def test_offloaded_sequences_decode_on_the_experts_process(serve_process, model_dir, tmp_path, arch):
+    """Sequences the device tier cannot hold move to the shared CPU tier; the experts process
+    computes their attention from the shared memory (the latent layout for DeepSeek), with the
+    tokens the embedded server computes in-process."""
+    model = model_dir(arch)
+    shm, socket = str(tmp_path / "shm" / "kv"), f"unix:{tmp_path}/experts.sock"
+    experts = serve_process("--model", str(model), "--role", "experts", "--listen", socket, "--metrics-port", "0",
+                            "--kv-shm", shm, wait=False)
+    attention = serve_process("--model", str(model), "--role", "attention", "--experts", socket, "--listen",
+                              "127.0.0.1:0", "--metrics-port", "0", "--kv-shm", shm, "--device", "cpu",
+                              *TINY_DEVICE_TIER, wait=False)
+    embedded = serve_process("--model", str(model), "--listen", f"unix:{tmp_path}/embedded.sock",
+                             "--metrics-port", "0", "--device", "cpu", *TINY_DEVICE_TIER, wait=False)
+    for proc in (experts, attention, embedded):
+        proc.wait_listening()
+    await asyncio.gather(*(wait_health(p.address, SERVING) for p in (experts, attention, embedded)))
+
+    async def run(address):
+        streams = await asyncio.gather(*(generate(address, greedy(p, max_tokens=24)) for p in PROMPTS))
+        return [token_ids(s) for s in streams]
+
+    split, alone = await asyncio.gather(run(attention.address), run(embedded.address))
+    assert split == alone and all(len(ids) == 24 for ids in split)
+
+    count = (contract.CPU_ATTENTION_LATENCY + "_count", ())
+    remote_calls = scrape(experts.metrics_port)[count]
+    assert remote_calls > 0 and scrape(attention.metrics_port)[count] == remote_calls
+    assert scrape(embedded.metrics_port)[count] > 0  # in-process there
+    metrics = scrape(attention.metrics_port)
+    assert metrics[(contract.OFFLOADED_REQUESTS, ())] == 0
+    assert metrics[(contract.KV_BLOCKS_USED, (("tier", "cpu"),))] == 0  # every block came back
+
+
 async def check_experts_read_the_shared_cpu_tier(experts_address: str, shm) -> None:
     """The attention process published its CPU KV tier; bytes written there reach the experts process."""
     layout, tensors = SharedCpuKV(shm).tensors()  # a third process mapping the same files

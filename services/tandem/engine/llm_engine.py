@@ -40,6 +40,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's, capped at DEFAULT_MAX_MODEL_LEN
     max_waiting: int = 1024
     enable_prefix_caching: bool = True
+    # A sequence the device tier cannot hold moves to the CPU tier and decodes there (attention on
+    # the CPU socket) rather than pausing until the device has room; see tandem.engine.scheduler.
+    cpu_decode: bool = True
 
     DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -58,6 +61,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_swapped: int
+    num_offloaded: int = 0  # running with their KV on the CPU tier
     kv_blocks_used: dict[str, int] = field(default_factory=dict)
     kv_blocks_total: dict[str, int] = field(default_factory=dict)
     prefix_cache_hit_tokens: int = 0
@@ -88,7 +92,8 @@ class LLMEngine:
         self.block_manager = KVBlockManager(num_device, num_cpu, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=self.max_model_len, max_waiting=config.max_waiting),
+                            max_model_len=self.max_model_len, max_waiting=config.max_waiting,
+                            cpu_decode=config.cpu_decode),
             self.block_manager, set(cfg.eos_token_ids),
         )
         self.runner = ModelRunner(model, self.cache, device)
@@ -232,7 +237,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_swapped=self.scheduler.num_swapped,
+            num_swapped=self.scheduler.num_swapped, num_offloaded=self.scheduler.num_offloaded,
             kv_blocks_used={t: bm.num_used_blocks(t) for t in (DEVICE, CPU)},
             kv_blocks_total={t: bm.num_total_blocks(t) for t in (DEVICE, CPU)},
             prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens,

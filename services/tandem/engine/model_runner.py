@@ -9,6 +9,7 @@ import torch
 from tandem.engine.sampler import Sampler
 from tandem.kv.attention import AttentionMetadata
 from tandem.kv.cache import CPU, DEVICE, KVCache
+from tandem.kv.tiered import CpuAttentionBackend, CpuBatch, LocalCpuAttention, StepAttention
 from tandem.model.model import CausalLM
 
 
@@ -17,6 +18,9 @@ class ModelRunner:
         self.model, self.cache, self.device = model, cache, device
         self.sampler = Sampler()
         self.sliding_window = model.cfg.sliding_window
+        # Attention of CPU-tier sequences: here by default; the split deployment's experts process
+        # (which maps the same shared-memory tier) when the engine is given its client.
+        self.cpu_attention: CpuAttentionBackend = LocalCpuAttention(cache)
         # Test and debugging hook: called with (request_id, logits [V]) for every sampled position.
         self.logits_hook: Callable[[str, torch.Tensor], None] | None = None
 
@@ -29,17 +33,17 @@ class ModelRunner:
         """Run one forward pass over the scheduled chunks; returns request_id -> sampled token."""
         if not scheduled:
             return {}
+        # Device-tier sequences first: each tier's tokens are then one slice (see tandem.kv.tiered).
+        on_device = [s for s in scheduled if s.tier == DEVICE]
+        on_cpu = [s for s in scheduled if s.tier == CPU]
+        scheduled = on_device + on_cpu
         tokens, positions = [], []
         for s in scheduled:
             tokens.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        meta = AttentionMetadata.build(
-            [s.start_pos for s in scheduled], [len(s.token_ids) for s in scheduled],
-            [s.block_table for s in scheduled], self.cache.block_size, self.device, self.sliding_window,
-        )
-        hidden = self.model(input_ids, pos, self.cache, meta)  # [T, H]
+        hidden = self.model(input_ids, pos, self.cache, self._step_attention(on_device, on_cpu))  # [T, H]
         # Sample from the last position of each chunk that reaches the end of its sequence.
         last, ends = [], 0
         for s in scheduled:
@@ -57,3 +61,15 @@ class ModelRunner:
             logits, [s.seq.params for s in sampling], [generators.get(s.seq.request_id) for s in sampling]
         )
         return {s.seq.request_id: int(t) for s, t in zip(sampling, ids.tolist())}
+
+    def _step_attention(self, on_device, on_cpu) -> StepAttention:
+        def args(work):
+            return [s.start_pos for s in work], [len(s.token_ids) for s in work], [s.block_table for s in work]
+
+        device = cpu = None
+        if on_device:
+            device = AttentionMetadata.build(*args(on_device), self.cache.block_size, self.device, self.sliding_window)
+        if on_cpu:
+            cpu = CpuBatch.build(*args(on_cpu), self.cache.block_size, self.sliding_window)
+        num_device_tokens = sum(len(s.token_ids) for s in on_device)
+        return StepAttention(device, cpu, num_device_tokens, self.cpu_attention)

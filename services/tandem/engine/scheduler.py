@@ -8,6 +8,12 @@ sequence cannot get a block, the most recently arrived running sequence is preem
 to the CPU tier if it fits there, else freed and re-queued at the front of waiting to be
 recomputed (prompt and outputs re-prefilled; nothing is lost). New work never preempts.
 
+With `cpu_decode` (the serving default), a sequence that would be swapped out is offloaded
+instead: its KV moves to the CPU tier and it keeps running there, its attention computed on
+the CPU socket (`tandem.kv.tiered`), so a context longer than the device tier still decodes.
+It stays on the CPU tier until it finishes (no ping-pong between tiers). When the CPU tier is
+full too, the latest-arrived CPU-tier sequence is recomputed.
+
 Not thread-safe: the engine calls schedule → run → update from one thread, and abort/finish
 between steps.
 """
@@ -19,7 +25,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.sampling_params import InvalidRequest
 from tandem.engine.sequence import Sequence, SequenceStatus
-from tandem.kv.block_manager import DEVICE, KVBlockManager
+from tandem.kv.block_manager import CPU, DEVICE, KVBlockManager
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -36,6 +42,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens computed per step, prefill chunks included
     max_model_len: int = 4096  # prompt + output tokens of one sequence
     max_waiting: int = 1024  # queued requests before add() refuses
+    cpu_decode: bool = False  # offload to the CPU tier and keep running, instead of swapping out
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):
@@ -56,6 +63,7 @@ class ScheduledSeq:
     start_pos: int
     block_table: list[int]  # device block ids covering start_pos + len(token_ids) slots
     sample: bool  # the chunk reaches the last known token: sample a new one from its logits
+    tier: str = DEVICE  # the KV tier block_table is in: DEVICE, or CPU for an offloaded sequence
 
     @property
     def is_decode(self) -> bool:
@@ -74,6 +82,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_id, device_id)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_id, cpu_id)
     preempted: list[Sequence] = field(default_factory=list)
+    offloaded: list[Sequence] = field(default_factory=list)  # moved to the CPU tier this step, still running
     num_batched_tokens: int = 0
 
     @property
@@ -85,10 +94,18 @@ class Scheduler:
     """Owns the waiting, running and swapped queues and the block manager's per-sequence use."""
 
     def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager, eos_token_ids: set[int]):
-        capacity = block_manager.num_total_blocks(DEVICE) * block_manager.block_size
-        if capacity < config.max_model_len:
+        size = block_manager.block_size
+        device = block_manager.num_total_blocks(DEVICE) * size
+        cpu = block_manager.num_total_blocks(CPU) * size
+        if config.cpu_decode and cpu >= config.max_model_len:
+            # A sequence outgrowing the device tier moves to the CPU tier; its first chunk must fit the device.
+            if device < min(config.max_model_len, config.max_num_batched_tokens):
+                raise ValueError(f"the device KV tier holds {device} tokens, fewer than one prefill chunk "
+                                 f"(max_num_batched_tokens={config.max_num_batched_tokens}); give it more blocks")
+        elif device < config.max_model_len:
             # Otherwise a long sequence alone could outgrow the device tier and never finish.
-            raise ValueError(f"the device KV tier holds {capacity} tokens, fewer than max_model_len="
+            hint = f" and the CPU tier {cpu}" if config.cpu_decode else ""
+            raise ValueError(f"the device KV tier holds {device} tokens{hint}, fewer than max_model_len="
                              f"{config.max_model_len}; lower max_model_len or give the KV cache more blocks")
         self.config = config
         self.block_manager = block_manager
@@ -143,6 +160,11 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
+    @property
+    def num_offloaded(self) -> int:
+        """Running sequences whose KV is on the CPU tier (decoding there)."""
+        return sum(self.block_manager.tier_of(s) == CPU for s in self.running)
+
     # schedule
 
     def schedule(self) -> SchedulerOutput:
@@ -165,12 +187,17 @@ class Scheduler:
             if num_new <= 0:
                 continue  # budget spent; it stays running and goes next step
             while not self.block_manager.allocate_slots(seq, num_new):
-                victim = max(self.running, key=lambda s: s.arrival)
+                # Only a sequence in the same tier frees blocks that seq can use.
+                tier = self.block_manager.tier_of(seq)
+                victim = max((s for s in self.running if self.block_manager.tier_of(s) == tier),
+                             key=lambda s: s.arrival)
+                if tier == DEVICE and self.config.cpu_decode and self._offload(victim, step):
+                    continue  # seq retries: on the device if a victim made room, else on the CPU tier
                 self._preempt(victim, step)
                 if victim is seq:
                     break
             else:
-                step.add(seq, num_new, self.block_manager.block_table(seq))
+                self._add(step, seq, num_new)
 
     def _schedule_swapped(self, step: _Step) -> None:
         while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -183,7 +210,7 @@ class Scheduler:
                 raise RuntimeError("block manager refused slots that can_swap_in promised")
             self.swapped.pop(0)
             self._run(seq)
-            step.add(seq, num_new, self.block_manager.block_table(seq))
+            self._add(step, seq, num_new)
 
     def _schedule_waiting(self, step: _Step) -> None:
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -197,7 +224,28 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
             self._run(seq)
-            step.add(seq, num_new, self.block_manager.block_table(seq))
+            self._add(step, seq, num_new)
+
+    def _add(self, step: _Step, seq: Sequence, num_new: int) -> None:
+        bm = self.block_manager
+        step.add(seq, num_new, bm.block_table(seq), bm.tier_of(seq))
+
+    def _offload(self, seq: Sequence, step: _Step) -> bool:
+        """Move a running sequence's KV to the CPU tier, where it keeps running; False if it does not fit."""
+        work = step.drop(seq)
+        num_new = len(work.token_ids) if work is not None else 1
+        pairs = self.block_manager.swap_out(seq, num_new)
+        if pairs is None:
+            if work is not None:
+                step.restore(work)
+            return False
+        step.out.swap_out += pairs
+        step.out.offloaded.append(seq)
+        if work is not None:  # already scheduled this step: its slots moved with its table
+            if not self.block_manager.allocate_slots(seq, num_new):
+                raise RuntimeError("block manager refused CPU slots that swap_out promised")
+            self._add(step, seq, num_new)
+        return True
 
     def _run(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -280,18 +328,22 @@ class _Step:
         self.out = SchedulerOutput()
         self._by_id: dict[str, ScheduledSeq] = {}
 
-    def add(self, seq: Sequence, num_new: int, block_table: list[int]) -> None:
+    def add(self, seq: Sequence, num_new: int, block_table: list[int], tier: str = DEVICE) -> None:
         start = seq.num_computed_tokens
         work = ScheduledSeq(seq, seq.token_ids(start, start + num_new), start, block_table,
-                            sample=start + num_new == seq.num_tokens)
-        self._by_id[seq.request_id] = work
-        self.budget -= num_new
+                            sample=start + num_new == seq.num_tokens, tier=tier)
+        self.restore(work)
 
-    def drop(self, seq: Sequence) -> None:
-        """Unschedule a sequence preempted after it got its slots this step."""
+    def restore(self, work: ScheduledSeq) -> None:
+        self._by_id[work.seq.request_id] = work
+        self.budget -= len(work.token_ids)
+
+    def drop(self, seq: Sequence) -> ScheduledSeq | None:
+        """Unschedule a sequence preempted (or moved) after it got its slots this step."""
         work = self._by_id.pop(seq.request_id, None)
         if work is not None:
             self.budget += len(work.token_ids)
+        return work
 
     def finish(self) -> SchedulerOutput:
         work = list(self._by_id.values())

@@ -98,30 +98,30 @@ class KVBlockManager:
 
     def allocate_slots(self, seq: SequenceLike, num_new_tokens: int,
                        computed_blocks: Seq[Block] = ()) -> bool:
-        """Grow the device table to seq.num_computed_tokens + cached + num_new_tokens slots.
+        """Grow the table to seq.num_computed_tokens + cached + num_new_tokens slots, in the tier
+        the sequence is in (the device tier for a new one; the CPU tier once it is moved there).
 
         `computed_blocks` (from `get_computed_blocks`) only start an empty table. Returns False
-        and changes nothing when the device tier is short of blocks.
+        and changes nothing when the tier is short of blocks.
         """
         rid = seq.request_id
-        if self._tier.get(rid, DEVICE) != DEVICE:
-            raise RuntimeError(f"sequence {rid!r} is swapped out; swap it in before allocating")
+        tier = self._tier.get(rid, DEVICE)
         table = self._tables.get(rid, [])
         if computed_blocks and table:
             raise RuntimeError(f"sequence {rid!r} already has blocks; cached blocks only start a table")
-        pool = self._pools[DEVICE]
+        pool = self._pools[tier]
         num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         num_new_blocks = max(0, self.blocks_needed(num_tokens) - len(table) - len(computed_blocks))
         if num_new_blocks > pool.num_free - pool.num_evictable(computed_blocks):
             return False
-        if not table and self.enable_prefix_caching:
+        if not table and tier == DEVICE and self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq.all_token_ids)
             self.prefix_cache_hit_tokens += len(computed_blocks) * self.block_size
         pool.touch(computed_blocks)  # before allocating, so allocation cannot evict them
         new_blocks = pool.allocate(num_new_blocks)
         assert new_blocks is not None  # checked above; a failure here is a bug, not user input
         self._tables[rid] = table + list(computed_blocks) + new_blocks
-        self._tier[rid] = DEVICE
+        self._tier[rid] = tier
         return True
 
     def cache_full_blocks(self, seq: SequenceLike) -> None:
@@ -153,14 +153,18 @@ class KVBlockManager:
 
     # swapping
 
-    def can_swap_out(self, seq: SequenceLike) -> bool:
+    def can_swap_out(self, seq: SequenceLike, num_new_tokens: int = 0) -> bool:
+        """Whether the table fits on the CPU tier, plus room to grow by num_new_tokens there."""
         table = self._tables.get(seq.request_id)
-        return (table is not None and self._tier[seq.request_id] == DEVICE
-                and len(table) <= self._pools[CPU].num_free)
+        if table is None or self._tier[seq.request_id] != DEVICE:
+            return False
+        needed = max(len(table), self.blocks_needed(seq.num_computed_tokens + num_new_tokens))
+        return needed <= self._pools[CPU].num_free
 
-    def swap_out(self, seq: SequenceLike) -> list[tuple[int, int]] | None:
-        """Move the whole table to the CPU tier: (device_block_id, cpu_block_id) pairs, or None."""
-        if not self.can_swap_out(seq):
+    def swap_out(self, seq: SequenceLike, num_new_tokens: int = 0) -> list[tuple[int, int]] | None:
+        """Move the whole table to the CPU tier: (device_block_id, cpu_block_id) pairs, or None
+        when it does not fit with room for num_new_tokens more."""
+        if not self.can_swap_out(seq, num_new_tokens):
             return None
         return self._move(seq, DEVICE, CPU)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.kv.attention import AttentionMetadata, paged_attention, write_kv
+from tandem.kv.attention import paged_attention
+from tandem.kv.tiered import LayerKV, StepAttention
 from tandem.model.config import ModelConfig
 from tandem.model.layers import RMSNorm, apply_rope
 
@@ -29,7 +30,7 @@ class Attention(nn.Module):
     def kv_entries(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
         return (("k", (cfg.num_kv_heads, cfg.head_dim)), ("v", (cfg.num_kv_heads, cfg.head_dim)))
 
-    def forward(self, x: torch.Tensor, cos_sin, kv: dict[str, torch.Tensor], meta: AttentionMetadata):
+    def forward(self, x: torch.Tensor, cos_sin, kv: LayerKV, step: StepAttention):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -38,7 +39,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(kv["k"], meta.slot_mapping, k)
-        write_kv(kv["v"], meta.slot_mapping, v)
-        out = paged_attention(q, kv["k"], kv["v"], meta, self.scale)  # [T, H, D]
+        step.write(kv, {"k": k, "v": v})
+        n = step.num_device_tokens
+        on_device = on_cpu = None
+        if step.device is not None:
+            on_device = paged_attention(q[:n], kv.device["k"], kv.device["v"], step.device, self.scale)  # [Td, H, D]
+        if step.cpu is not None:
+            on_cpu = step.attend_cpu(kv, q[n:], self.scale)  # [Tc, H, D]
+        out = step.join(on_device, on_cpu)  # [T, H, D]
         return self.o_proj(out.reshape(t, -1))  # [T, hidden]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.kv.attention import AttentionMetadata, write_kv
+from tandem.kv.tiered import LayerKV, StepAttention
 from tandem.model.config import ModelConfig
-from tandem.model.deepseek_mla import paged_latent_attention
+from tandem.model.deepseek_mla import absorb_query, paged_latent_attention, unabsorb_output
 from tandem.model.layers import RMSNorm, apply_rope
 
 LATENT = "latent"  # the single KV cache entry MLA declares
@@ -53,7 +53,7 @@ class MlaAttention(nn.Module):
     def kv_entries(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
         return ((LATENT, (cfg.mla.latent_dim,)),)
 
-    def forward(self, x: torch.Tensor, cos_sin, kv: dict[str, torch.Tensor], meta: AttentionMetadata):
+    def forward(self, x: torch.Tensor, cos_sin, kv: LayerKV, step: StepAttention):
         t, d = x.shape[0], self.dims
         q = self._query(x).view(t, self.num_heads, d.qk_head_dim)  # [T, H, nope + rope]
         q_nope, q_pe = q.split((d.qk_nope_head_dim, d.qk_rope_head_dim), dim=-1)
@@ -62,8 +62,18 @@ class MlaAttention(nn.Module):
         cos, sin = cos_sin
         q_pe = self.rope(q_pe, cos, sin)  # [T, H, rope]
         k_pe = self.rope(k_pe[:, None], cos, sin)[:, 0]  # [T, rope]
-        write_kv(kv[LATENT], meta.slot_mapping, torch.cat((c, k_pe), dim=-1))  # [T, r + rope]
-        out = paged_latent_attention(q_nope, q_pe, kv[LATENT], meta, self.kv_b_proj.weight, d)  # [T, H, v]
+        step.write(kv, {LATENT: torch.cat((c, k_pe), dim=-1)})  # [T, r + rope]
+        n, w = step.num_device_tokens, self.kv_b_proj.weight
+        on_device = on_cpu = None
+        if step.device is not None:
+            on_device = paged_latent_attention(q_nope[:n], q_pe[:n], kv.device[LATENT], step.device, w, d)  # [Td, H, v]
+        if step.cpu is not None:
+            # The CPU side holds no weights: it attends in the latent space (absorbed form) and
+            # the value projection W_uv is applied here.
+            q_lat = absorb_query(q_nope[n:], q_pe[n:], w, d)  # [Tc, H, r + rope]
+            latent_out = step.attend_cpu(kv, q_lat, d.softmax_scale, value_dim=d.kv_lora_rank)  # [Tc, H, r]
+            on_cpu = unabsorb_output(latent_out, w, d)  # [Tc, H, v]
+        out = step.join(on_device, on_cpu)  # [T, H, v]
         return self.o_proj(out.reshape(t, -1))  # [T, hidden]
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:

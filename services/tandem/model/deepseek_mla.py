@@ -60,12 +60,22 @@ def split_kv_b(kv_b_weight: torch.Tensor, dims: MlaDims, num_heads: int) -> tupl
     return w[:, : dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim:]
 
 
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b_weight: torch.Tensor, dims: MlaDims) -> torch.Tensor:
+    """q_nope [T, H, nope], q_pe [T, H, rope] -> queries in the latent space [T, H, r + rope]."""
+    w_uk, _ = split_kv_b(kv_b_weight, dims, q_nope.shape[1])
+    return torch.cat((torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe), dim=-1)
+
+
+def unabsorb_output(latent_out: torch.Tensor, kv_b_weight: torch.Tensor, dims: MlaDims) -> torch.Tensor:
+    """Attention output in the latent space [T, H, r] -> per-head values [T, H, v]."""
+    _, w_uv = split_kv_b(kv_b_weight, dims, latent_out.shape[1])
+    return torch.einsum("thr,hvr->thv", latent_out, w_uv)
+
+
 def absorbed_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:
     """Attention against the latent itself: one shared key/value head of width r + rope / r."""
     h = q_nope.shape[1]
-    w_uk, w_uv = split_kv_b(kv_b_weight, dims, h)
-    q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope[meta.query_index], w_uk)  # [B, Q, H, r]
-    q = torch.cat((q_lat, q_pe[meta.query_index]), dim=-1).transpose(1, 2)  # [B, H, Q, r + rope]
+    q = absorb_query(q_nope, q_pe, kv_b_weight, dims)[meta.query_index].transpose(1, 2)  # [B, H, Q, r + rope]
     latent = gather_kv(cache, meta.block_tables)[:, None]  # [B, 1, L, r + rope]
     b, _, length, width = latent.shape
     keys = latent.expand(b, h, length, width)  # [B, H, L, r + rope], no copy
@@ -73,7 +83,7 @@ def absorbed_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask,
                                          scale=dims.softmax_scale)  # [B, H, Q, r]
     out = out.transpose(1, 2)[meta.query_valid]  # [t, H, r]
-    return torch.einsum("thr,hvr->thv", out, w_uv)  # [t, H, v]
+    return unabsorb_output(out, kv_b_weight, dims)  # [t, H, v]
 
 
 def expanded_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:

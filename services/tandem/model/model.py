@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.experts.base import ExpertExecutor
-from tandem.kv.attention import AttentionMetadata
 from tandem.kv.cache import KVCache
+from tandem.kv.tiered import LayerKV, StepAttention
 from tandem.model.attention import Attention
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek_attention import MlaAttention
@@ -37,8 +37,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, meta)  # [T, H]
+    def forward(self, x, cos_sin, kv: LayerKV, step: StepAttention):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, step)  # [T, H]
         return x + self.mlp(self.post_attention_layernorm(x))  # [T, H]
 
 
@@ -61,12 +61,14 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, H]."""
+                step: StepAttention) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H].
+
+        Tokens come device-tier sequences first, then CPU-tier ones (see `tandem.kv.tiered`)."""
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, cache.layer(i), meta)
+            x = layer(x, cos_sin, LayerKV.of(cache, i), step)
         return self.model.norm(x)
 
     @torch.inference_mode()

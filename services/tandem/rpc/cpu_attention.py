@@ -4,7 +4,9 @@ The attention process owns the KV block metadata and writes the CPU tier into sh
 files (`--kv-shm PATH` gives `PATH.k`, `PATH.v`, as `tandem.kv.cache` lays them out). Next to
 them it publishes the tier's layout (`PATH.layout.json`), so the experts process maps the same
 bytes without loading the model: a CpuAttention request carries only queries, block tables and
-lengths, never KV data.
+lengths, never KV data. The engine's runner sends it the attention of every sequence offloaded
+to the CPU tier (`tandem.kv.tiered`); for DeepSeek's latent cache the queries come absorbed and
+no weights are needed here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.kv.attention import AttentionMetadata, paged_attention
+from tandem.kv.attention import AttentionMetadata
+from tandem.kv.tiered import attend_cpu_tier
 from tandem.kv.cache import CPU
 from tandem.rpc.gen import experts_pb2
 from tandem.rpc.tensors import DTYPES, BadTensor, from_proto
@@ -90,41 +93,60 @@ def _map_existing(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> tor
 
 
 class CpuAttention:
-    """Answers CpuAttention requests: one decode query per sequence over its CPU-tier blocks."""
+    """Answers CpuAttention requests: the new tokens' queries of each sequence over its CPU-tier blocks."""
 
     def __init__(self, kv: SharedCpuKV):
         self.kv = kv
 
     def handle(self, request: experts_pb2.CpuAttentionRequest) -> torch.Tensor:
         layout, tensors = self.kv.tensors()
-        if "k" not in tensors or "v" not in tensors:
-            raise KVNotShared("kv_shm: CPU attention needs a K/V cache; this model's KV layout is "
-                              f"{[name for name, _ in layout['entries']]}")
-        query = from_proto(request.query, "query")  # [S, H, D]
+        query = from_proto(request.query, "query")  # [T, H, D]
         tables, lens = [list(t.block_ids) for t in request.block_tables], list(request.seq_lens)
-        self._check(request.layer, query, tables, lens, layout, tensors["k"])
-        k_cache, v_cache = tensors["k"][request.layer], tensors["v"][request.layer]  # [blocks, bs, Hkv, D]
-        meta = AttentionMetadata.build([n - 1 for n in lens], [1] * len(lens), tables, layout["block_size"],
-                                       torch.device("cpu"))
+        query_lens = list(request.query_lens) or [1] * len(lens)
+        self._check(request, query, tables, lens, query_lens, layout, tensors)
+        layer = {name: t[request.layer] for name, t in tensors.items()}  # [blocks, block_size, *entry]
+        starts = [n - q for n, q in zip(lens, query_lens)]
+        meta = AttentionMetadata.build(starts, query_lens, tables, layout["block_size"], torch.device("cpu"),
+                                       request.sliding_window or None)
         scale = request.scale or 1.0 / math.sqrt(query.shape[-1])
-        out = paged_attention(query.to(k_cache.dtype), k_cache, v_cache, meta, scale)  # [S, H, D]
+        dtype = next(iter(layer.values())).dtype
+        out = attend_cpu_tier(layer, query.to(dtype), meta, scale, request.value_dim)
         return out.to(query.dtype)
 
     @staticmethod
-    def _check(layer, query, tables, lens, layout, k) -> None:
+    def _check(request, query, tables, lens, query_lens, layout, tensors) -> None:
+        layer = request.layer
         if not 0 <= layer < layout["num_layers"]:
             raise BadTensor("layer", f"{layer} is not a layer of this model (0..{layout['num_layers'] - 1})")
         if query.dim() != 3 or not query.is_floating_point():
-            raise BadTensor("query", f"must be a float tensor [S, heads, head_dim], got {list(query.shape)}")
-        if query.shape[-1] != k.shape[-1] or query.shape[1] % k.shape[-2]:
-            raise BadTensor("query", f"heads x head_dim {list(query.shape[1:])} do not fit the cache's "
-                            f"{k.shape[-2]} KV heads of {k.shape[-1]}")
-        if not len(tables) == len(lens) == query.shape[0]:
-            raise BadTensor("block_tables", f"{len(tables)} block tables and {len(lens)} seq_lens for "
-                            f"{query.shape[0]} queries")
+            raise BadTensor("query", f"must be a float tensor [T, heads, head_dim], got {list(query.shape)}")
+        if "k" in tensors:
+            k = tensors["k"]
+            if query.shape[-1] != k.shape[-1] or query.shape[1] % k.shape[-2]:
+                raise BadTensor("query", f"heads x head_dim {list(query.shape[1:])} do not fit the cache's "
+                                f"{k.shape[-2]} KV heads of {k.shape[-1]}")
+            if request.value_dim:
+                raise BadTensor("value_dim", "applies to a latent cache only; this one holds K and V")
+        else:
+            (latent,) = tensors.values()
+            width = latent.shape[-1]
+            if query.shape[-1] != width:
+                raise BadTensor("query", f"must be absorbed into the latent cache's width {width}, "
+                                f"got head_dim {query.shape[-1]}")
+            if not 0 < request.value_dim <= width:
+                raise BadTensor("value_dim", f"must be in [1, {width}] for this latent cache, got {request.value_dim}")
+        if not len(tables) == len(lens) == len(query_lens):
+            raise BadTensor("block_tables", f"{len(tables)} block tables, {len(lens)} seq_lens and "
+                            f"{len(query_lens)} query_lens: one of each per sequence")
+        if sum(query_lens) != query.shape[0]:
+            if not request.query_lens:  # one decode query per sequence
+                raise BadTensor("block_tables", f"{len(tables)} sequences for {query.shape[0]} decode queries")
+            raise BadTensor("query_lens", f"add up to {sum(query_lens)} queries, query has {query.shape[0]}")
         size, num_blocks = layout["block_size"], layout["num_blocks"]
-        for i, (table, n) in enumerate(zip(tables, lens)):
+        for i, (table, n, q) in enumerate(zip(tables, lens, query_lens)):
             if n < 1 or len(table) * size < n:
                 raise BadTensor("seq_lens", f"sequence {i}: {n} tokens do not fit {len(table)} blocks of {size}")
+            if not 1 <= q <= n:
+                raise BadTensor("query_lens", f"sequence {i}: {q} queries for {n} tokens of KV")
             if any(b >= num_blocks for b in table):
                 raise BadTensor("block_tables", f"sequence {i}: block ids must be < {num_blocks}")

@@ -50,17 +50,23 @@ class GrpcExpertExecutor:
         """What the experts process holds; ExpertsUnavailable when it is unreachable."""
         return self._call(self._stub.GetExpertsInfo, experts_pb2.GetExpertsInfoRequest(), timeout_s)
 
-    def cpu_attention(self, layer: int, query: torch.Tensor, block_tables: list[list[int]],
-                      seq_lens: list[int], scale: float = 0.0) -> torch.Tensor:
-        """Decode attention over CPU-tier KV blocks, by the experts process.
+    def cpu_attention(self, layer: int, query: torch.Tensor, block_tables: list[list[int]], seq_lens: list[int],
+                      scale: float = 0.0, *, query_lens: list[int] | None = None, value_dim: int = 0,
+                      sliding_window: int | None = None) -> torch.Tensor:
+        """Attention over CPU-tier KV blocks, by the experts process (see CpuAttentionRequest).
 
-        query [S, heads, head_dim], one per sequence; block_tables[i] and seq_lens[i] give
-        sequence i's CPU-tier blocks and KV length. Returns [S, heads, head_dim] in query's dtype.
+        query [T, heads, head_dim]: query_lens[i] rows per sequence (default one each: decode);
+        block_tables[i] and seq_lens[i] give sequence i's CPU-tier blocks and KV length. Returns
+        [T, heads, head_dim] (value_dim for a latent cache) in query's dtype.
         """
         request = experts_pb2.CpuAttentionRequest(
-            layer=layer, query=to_proto(query), seq_lens=seq_lens, scale=scale,
+            layer=layer, query=to_proto(query), seq_lens=seq_lens, scale=scale, query_lens=query_lens or [],
+            value_dim=value_dim, sliding_window=sliding_window or 0,
             block_tables=[experts_pb2.BlockTable(block_ids=t) for t in block_tables])
+        start = time.perf_counter()
         out = from_proto(self._call(self._stub.CpuAttention, request).output, "output")
+        if self.metrics is not None:
+            self.metrics.cpu_attention_latency.observe(time.perf_counter() - start)
         return out.to(query.device)
 
     def _call(self, method, request, timeout_s: float | None = None):
@@ -73,3 +79,16 @@ class GrpcExpertExecutor:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class RemoteCpuAttention:
+    """The runner's CpuAttentionBackend in the split deployment: the experts process attends over
+    the CPU tier it maps from the same shared-memory files (`tandem.kv.tiered`)."""
+
+    def __init__(self, client: GrpcExpertExecutor):
+        self.client = client
+
+    def __call__(self, layer: int, query: torch.Tensor, batch, scale: float, value_dim: int = 0) -> torch.Tensor:
+        return self.client.cpu_attention(layer, query, batch.block_tables, batch.seq_lens, scale,
+                                         query_lens=batch.query_lens, value_dim=value_dim,
+                                         sliding_window=batch.sliding_window)

@@ -77,6 +77,7 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         if self.cpu_attention is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "kv_shm: this experts process maps no CPU KV tier (start it with --kv-shm)")
+        start = time.perf_counter()
         try:
             out = await asyncio.get_running_loop().run_in_executor(
                 self._worker, self.cpu_attention.handle, request)
@@ -84,6 +85,7 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVNotShared as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        self.metrics.cpu_attention_latency.observe(time.perf_counter() - start)
         return experts_pb2.CpuAttentionResponse(output=to_proto(out))
 
     async def GetExpertsInfo(self, request, context):

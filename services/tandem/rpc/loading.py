@@ -13,7 +13,7 @@ from tandem.experts.base import ExpertsUnavailable
 from tandem.metrics import ServingMetrics
 from tandem.model.config import ModelError, load_config
 from tandem.model.loader import build_expert_executor, resolve_dtype
-from tandem.rpc.experts_client import GrpcExpertExecutor
+from tandem.rpc.experts_client import GrpcExpertExecutor, RemoteCpuAttention
 from tandem.rpc.gen import experts_pb2
 
 log = logging.getLogger(__name__)
@@ -32,13 +32,28 @@ class TimedExpertExecutor:
         return out
 
 
+class TimedCpuAttention:
+    """Wraps the in-process CPU attention to observe each call's latency (the gRPC client's job when remote)."""
+
+    def __init__(self, inner, histogram):
+        self.inner, self.histogram = inner, histogram
+
+    def __call__(self, layer, query, batch, scale, value_dim=0):
+        start = time.perf_counter()
+        out = self.inner(layer, query, batch, scale, value_dim)
+        self.histogram.observe(time.perf_counter() - start)
+        return out
+
+
 def engine_config(opts) -> EngineConfig:
     """The EngineConfig fields `opts` (ServeOptions) sets; the rest keep their defaults."""
     names = {f.name for f in fields(EngineConfig)}
     values = {
         "block_size": opts.block_size, "gpu_memory_fraction": opts.gpu_memory_fraction,
         "cpu_kv_gib": opts.cpu_kv_gib, "kv_shm_path": opts.kv_shm, "max_num_seqs": opts.max_num_seqs,
+        "max_num_batched_tokens": opts.max_num_batched_tokens,
         "max_model_len": opts.max_model_len, "max_waiting": opts.max_waiting,
+        "num_device_blocks": opts.num_device_blocks, "cpu_decode": opts.cpu_decode,
     }
     return EngineConfig(**{k: v for k, v in values.items() if k in names and v is not None})
 
@@ -49,6 +64,7 @@ def load_embedded(opts, metrics: ServingMetrics) -> LLMEngine:
         opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts),
         expert_threads=opts.threads, expert_quant=opts.expert_quant)
     _time_expert_calls(engine.model, metrics)
+    engine.runner.cpu_attention = TimedCpuAttention(engine.runner.cpu_attention, metrics.cpu_attention_latency)
     return engine
 
 
@@ -88,9 +104,15 @@ def check_same_model(cfg, info: experts_pb2.ExpertsInfo, address: str) -> None:
 
 
 def load_attention(opts, client: GrpcExpertExecutor) -> LLMEngine:
-    """`--role attention`: everything but the routed-expert weights, which the experts process holds."""
-    return LLMEngine.from_pretrained(
+    """`--role attention`: everything but the routed-expert weights, which the experts process holds.
+
+    With a shared CPU KV tier (--kv-shm), the experts process also computes the attention of the
+    sequences offloaded there, on its cores and next to that memory."""
+    engine = LLMEngine.from_pretrained(
         opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts), expert_executor=client)
+    if opts.kv_shm:
+        engine.runner.cpu_attention = RemoteCpuAttention(client)
+    return engine
 
 
 def load_experts(opts) -> tuple[object, experts_pb2.ExpertsInfo]:

@@ -52,8 +52,11 @@ class ServeOptions:
     block_size: int = 16
     gpu_memory_fraction: float = 0.9
     cpu_kv_gib: float = 1.0
+    num_device_blocks: int | None = None  # None: sized from the device's memory
+    cpu_decode: bool = True
     expert_quant: str = "none"
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     max_waiting: int = 1024
     shutdown_grace_s: float = 30.0
@@ -71,6 +74,8 @@ class ServeOptions:
             raise ValueError(f"--experts is only for --role attention, not --role {self.role}")
         if self.expert_quant not in contract.EXPERT_QUANTS:
             raise ValueError(f"--expert-quant must be one of {', '.join(contract.EXPERT_QUANTS)}")
+        if self.num_device_blocks is not None and self.num_device_blocks < 1:
+            raise ValueError(f"--num-device-blocks must be at least 1, got {self.num_device_blocks}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.shutdown_grace_s < 0 or self.expert_timeout_s <= 0:

@@ -42,18 +42,24 @@ class BlockTable(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CpuAttentionRequest(_message.Message):
-    __slots__ = ("layer", "query", "block_tables", "seq_lens", "scale")
+    __slots__ = ("layer", "query", "block_tables", "seq_lens", "scale", "query_lens", "value_dim", "sliding_window")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_DIM_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     layer: int
     query: Tensor
     block_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
     seq_lens: _containers.RepeatedScalarFieldContainer[int]
     scale: float
-    def __init__(self, layer: _Optional[int] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., scale: _Optional[float] = ...) -> None: ...
+    query_lens: _containers.RepeatedScalarFieldContainer[int]
+    value_dim: int
+    sliding_window: int
+    def __init__(self, layer: _Optional[int] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., scale: _Optional[float] = ..., query_lens: _Optional[_Iterable[int]] = ..., value_dim: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class CpuAttentionResponse(_message.Message):
     __slots__ = ("output",)
