@@ -8,8 +8,9 @@ touched (measured, per layer) plus every other weight (attention, dense, router,
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -148,7 +149,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,8", help="comma-separated stream counts")
-    p.add_argument("--mode", choices=["embedded", "split"], default="embedded")
+    p.add_argument("--mode", choices=["embedded", "split"], default="embedded",
+                   help="split: experts in a `serve --role experts` process on cores disjoint from this "
+                        "one's, measured against embedded in the same run")
     p.add_argument("--no-bandwidth", action="store_true", help="skip measuring this machine's read bandwidth")
     from tandem.cli import add_engine_args
 
@@ -158,7 +161,7 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    from tandem.cli import UsageError, build_engine
+    from tandem.cli import UsageError
 
     try:
         concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -171,39 +174,119 @@ def cmd_bench(args) -> int:
         from tandem.bench import measure_read_bandwidth
 
         bandwidth = measure_read_bandwidth(threads=args.threads)
-    experts_proc = None
     if args.mode == "split":
-        experts_proc, executor = start_split_experts(args)
-        args.expert_executor = executor
-    try:
-        engine = build_engine(args)
-        traffic = instrument(engine, expert_bytes(engine))
-        result = bench(engine, args.prompt_len, args.gen_len, concurrency, bandwidth, traffic)
-    finally:
-        if experts_proc is not None:
-            experts_proc.terminate()
-            experts_proc.wait(timeout=30)
+        result = bench_split(args, concurrency, bandwidth)
+    else:
+        result, _ = bench_engine(args, concurrency, bandwidth)
     result["mode"] = args.mode
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
 
-def start_split_experts(args):
-    """Start `tandem serve --role experts` on a Unix socket; return (process, gRPC expert executor)."""
+def bench_engine(args, concurrency: list[int], bandwidth: float | None,
+                 bytes_per_expert: dict[int, int] | None = None) -> tuple[dict, dict[int, int]]:
+    """Build the engine from the flags and bench it; also returns the expert bytes it counted with."""
+    import gc
+
+    from tandem.cli import build_engine
+
+    engine = build_engine(args)
+    try:
+        bytes_per_expert = bytes_per_expert or expert_bytes(engine)
+        traffic = instrument(engine, bytes_per_expert)
+        return bench(engine, args.prompt_len, args.gen_len, concurrency, bandwidth, traffic), bytes_per_expert
+    finally:
+        del engine
+        gc.collect()  # free this engine's weights before the next one loads
+
+
+def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
+    """(attention cores, experts cores), disjoint: the experts, which read most of the weights,
+    get three quarters (at least one each; 2 cores split 1 + 1). One core cannot be split."""
+    if len(cores) < 2:
+        raise ValueError(f"splitting needs at least 2 cores, this process has {len(cores)}")
+    attention = max(1, len(cores) // 4)
+    return cores[:attention], cores[attention:]
+
+
+def pin_process(cores: list[int]) -> None:
+    """Pin every thread of this process (torch's pool, gRPC's) to `cores`: sched_setaffinity
+    with pid 0 would move only the calling thread."""
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that just exited
+
+
+def bench_split(args, concurrency: list[int], bandwidth: float | None) -> dict:
+    """Embedded first (all cores), then the split pair on disjoint cores, in one run: the
+    per-token ratio between them is the cost of the split deployment on this machine."""
+    from tandem.cli import UsageError
+
+    all_cores = sorted(os.sched_getaffinity(0))
+    try:
+        attention_cores, expert_cores = split_cores(all_cores)
+    except ValueError as exc:
+        raise UsageError(f"--mode split: {exc}") from None
+    embedded, bytes_per_expert = bench_engine(args, concurrency, bandwidth)
+    experts_proc, args.expert_executor = start_split_experts(args, expert_cores)
+    threads = torch.get_num_threads()
+    pin_process(attention_cores)
+    torch.set_num_threads(len(attention_cores))
+    try:
+        result, _ = bench_engine(args, concurrency, bandwidth, bytes_per_expert)
+    finally:
+        args.expert_executor = None
+        pin_process(all_cores)
+        torch.set_num_threads(threads)
+        experts_proc.terminate()
+        experts_proc.wait(timeout=30)
+    result["cores"] = {"attention": attention_cores, "experts": expert_cores}
+    result["embedded"] = {k: embedded[k] for k in ("prefill_tok_s", "decode_tok_s", "itl_p50_s", "concurrency")}
+    result["split_vs_embedded_decode"] = result["decode_tok_s"] / embedded["decode_tok_s"]
+    print(f"split: attention on cores {attention_cores}, experts on cores {expert_cores}; decode "
+          f"{result['decode_tok_s']:.1f} tok/s = {result['split_vs_embedded_decode']:.2f}x embedded "
+          f"({embedded['decode_tok_s']:.1f} tok/s on all {len(all_cores)} cores)", file=sys.stderr)
+    return result
+
+
+def start_split_experts(args, cores: list[int]):
+    """Start `tandem serve --role experts` on a Unix socket, pinned to `cores` with as many expert
+    threads, at the bench's expert quantization; return (process, gRPC expert executor)."""
     import tempfile
 
     from tandem.rpc.experts_client import GrpcExpertExecutor
 
     sock = Path(tempfile.mkdtemp(prefix="tandem-bench-")) / "experts.sock"
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--role", "experts", "--model", args.model,
-           "--listen", f"unix:{sock}", "--metrics-port", "0"]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+           "--listen", f"unix:{sock}", "--metrics-port", "0", "--threads", str(len(cores)),
+           "--expert-quant", args.expert_quant]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    # taskset pins before Python starts, so every thread the process makes inherits the cores
+    # (a preexec_fn is not safe in this process, which runs threads).
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise RuntimeError("--mode split pins the experts process with taskset (util-linux), not found")
+    proc = subprocess.Popen([taskset, "-c", ",".join(map(str, cores)), *cmd], stdout=subprocess.DEVNULL)
     executor = GrpcExpertExecutor(f"unix:{sock}")
     deadline = time.monotonic() + 300
-    while not sock.exists():
+    while not _serving(executor, sock):  # it listens before its weights are loaded
         if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
             raise RuntimeError("the experts process did not start")
         time.sleep(0.2)
     return proc, executor
+
+
+def _serving(executor, sock: Path) -> bool:
+    from tandem.experts.base import ExpertsUnavailable
+
+    if not sock.exists():
+        return False
+    try:
+        executor.info(timeout_s=2.0)
+    except ExpertsUnavailable:
+        return False
+    return True

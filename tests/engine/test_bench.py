@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tandem.cli import main
@@ -43,3 +44,45 @@ def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
     expected_roofline = 10.0e9 / report["weight_bytes_per_step"]
     assert abs(report["roofline_tok_s"] - expected_roofline) < 1e-6 * expected_roofline
     assert abs(report["roofline_share"] - report["decode_tok_s"] / report["roofline_tok_s"]) < 1e-9
+
+
+def test_split_cores_are_disjoint_and_favour_the_experts():
+    from tandem.engine_bench import split_cores
+
+    assert split_cores([0, 1]) == ([0], [1])
+    assert split_cores(list(range(8))) == ([0, 1], [2, 3, 4, 5, 6, 7])
+    with pytest.raises(ValueError, match="at least 2 cores"):
+        split_cores([3])
+
+
+def test_split_bench_pins_disjoint_cores_passes_quant_and_compares_with_embedded(demo_model_dir, capsys,
+                                                                                   monkeypatch):
+    import os
+    import subprocess
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("split mode needs 2 cores")
+    started = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(cmd, *a, **kw):
+        started.append(cmd)
+        return real_popen(cmd, *a, **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    monkeypatch.setenv("TANDEM_DENSE_QUANT", "none")
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    assert main(["bench", "--model", str(demo_model_dir("mixtral")), "--prompt-len", "6", "--gen-len", "3",
+                 "--concurrency", "1", "--device", "cpu", "--mode", "split", "--expert-quant", "int8",
+                 "--no-bandwidth", "--json"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    attention, experts = report["cores"]["attention"], report["cores"]["experts"]
+    assert attention and experts and not set(attention) & set(experts)
+    [cmd] = started
+    assert cmd[cmd.index("-c") + 1] == ",".join(map(str, experts))  # taskset pins the experts process
+    assert cmd[cmd.index("--expert-quant") + 1] == "int8"
+    assert cmd[cmd.index("--threads") + 1] == str(len(experts))
+    assert report["split_vs_embedded_decode"] == report["decode_tok_s"] / report["embedded"]["decode_tok_s"]
+    assert "x embedded" in err
+    assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads  # restored
