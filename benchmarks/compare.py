@@ -5,7 +5,8 @@
 
 Each system runs in its own process (so one's memory never slows another) on the same
 Mixtral-architecture checkpoint (made by make_checkpoint.py when absent: ~1.8 GB f32), at equal
-precision: f32 against llama.cpp f32, int8 experts against Q8_0, int4 experts against Q4_0.
+precision: f32 against llama.cpp f32, int8 (experts and dense layers int8) against Q8_0, int4
+(experts int4, dense layers int8) against Q4_0.
 llama.cpp is llama-cpp-python built from its PyPI sdist (CMAKE_ARGS="-DGGML_NATIVE=ON"); the
 GGUF files come from the sdist's own vendor/llama.cpp/convert_hf_to_gguf.py and
 `llama_model_quantize`. When llama_cpp is not installed, or the sdist cannot be found, the
@@ -32,7 +33,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem
 SDIST_GLOB = "llama_cpp_python-*.tar.gz"
 GGUF_TYPES = {"f32": ("f32", None), "int8": ("q8_0", None), "int4": ("f32", 2)}  # 2 = LLAMA_FTYPE_MOSTLY_Q4_0
 LLAMA_NAMES = {"f32": "f32", "int8": "Q8_0", "int4": "Q4_0"}
-QUANTS = {"f32": "none", "int8": "int8", "int4": "int4"}
+QUANTS = {"f32": ("none", "none"), "int8": ("int8", "int8"), "int4": ("int4", "int8")}  # (experts, dense)
 
 
 # workers: each runs in a fresh process and prints one JSON line
@@ -105,9 +106,10 @@ def run_worker(name: str, *args) -> dict:
 # systems
 
 
-def tandem_bench(ckpt: Path, quant: str, args) -> dict:
+def tandem_bench(ckpt: Path, quants: tuple[str, str], args) -> dict:
     cmd = [sys.executable, "-m", "tandem.cli", "bench", "--model", str(ckpt), "--prompt-len", str(args.prompt_len),
-           "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--expert-quant", quant,
+           "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--expert-quant", quants[0],
+           "--dense-quant", quants[1],
            "--threads", str(args.threads), "--device", "cpu", "--no-bandwidth", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -172,15 +174,17 @@ def worker_quantize(src: str, dst: str, ftype: int) -> dict:
 
 
 def active_bytes(ckpt: Path, precision: str) -> float:
-    """Bytes of weights one decode token reads, experts at `precision`, the rest at f32 (Tandem's
-    layout: only the routed experts are quantized)."""
+    """Bytes of weights one decode token reads in Tandem's layout: experts at `precision`, the
+    attention and LM head at f32 (f32) or int8 (int8, int4), the routers at f32."""
     cfg = json.loads((ckpt / "config.json").read_text())
     h, i, layers, k = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
     kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or h // cfg["num_attention_heads"])
     per_weight = {"f32": 4.0, "int8": 1.0 + 4.0 / h, "int4": 0.5 + 4.0 / 32}[precision]
     experts = layers * k * 3 * h * i * per_weight
-    dense = 4.0 * (layers * (2 * h * h + 2 * h * kv + cfg["num_local_experts"] * h) + cfg["vocab_size"] * h)
-    return experts + dense
+    dense_per_weight = 4.0 if precision == "f32" else 1.0 + 4.0 / h  # int8 rows, an f32 scale each
+    dense = dense_per_weight * (layers * (2 * h * h + 2 * h * kv) + cfg["vocab_size"] * h)
+    routers = 4.0 * layers * cfg["num_local_experts"] * h
+    return experts + dense + routers
 
 
 def main() -> None:
