@@ -129,14 +129,22 @@ class CpuExpertExecutor:
 
 
 def prepare_layer(w: ExpertWeights, quant: str, group_size: int = 32, torch_decode: bool = False) -> PreparedLayer:
-    """Check one layer's expert weights and convert them to the executor's storage."""
+    """Check one layer's expert weights and convert them to the executor's storage.
+
+    Weights already in int8 (`Int8Weight`, e.g. from a Q8_0 GGUF) are taken as they are, for quant "int8"."""
     gu, dn = w.gate_up, w.down
-    if gu.dim() != 3 or dn.dim() != 3:
+    if len(gu.shape) != 3 or len(dn.shape) != 3:
         raise ValueError(f"gate_up must be [E, 2I, H] and down [E, H, I], got {tuple(gu.shape)} and {tuple(dn.shape)}")
     e, two_i, h = gu.shape
     if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2):
         raise ValueError(f"down {tuple(dn.shape)} does not match gate_up {tuple(gu.shape)}: want [E, H, I]")
-    gate_up, down = quantize(gu, quant, group_size), quantize(dn, quant, group_size)
+    prequantized = isinstance(gu, Int8Weight), isinstance(dn, Int8Weight)
+    if any(prequantized):
+        if not all(prequantized) or quant != "int8":
+            raise ValueError(f"int8 expert weights need quant='int8' for both projections (got quant={quant!r})")
+        gate_up, down = gu, dn
+    else:
+        gate_up, down = quantize(gu, quant, group_size), quantize(dn, quant, group_size)
     layer = PreparedLayer(gate_up, down, e, h, two_i // 2, group_size)
     layer.prefill = (prefill_linear(gate_up), prefill_linear(down))
     if torch_decode:
