@@ -75,11 +75,12 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q [T, H, D]; caches [blocks, block_size, Hkv, D] -> [T, H, Dv]."""
-    qp = q[meta.query_index].transpose(1, 2)  # [B, H, Qmax, D]
+    decode_only = meta.query_index.shape[1] == 1  # one token per sequence, in sequence order: no gather
+    qp = (q[:, None] if decode_only else q[meta.query_index]).transpose(1, 2)  # [B, H, Qmax, D]
     k = gather_kv(k_cache, meta.block_tables).transpose(1, 2)  # [B, Hkv, L, D]
     v = gather_kv(v_cache, meta.block_tables).transpose(1, 2)  # [B, Hkv, L, Dv]
     # Query head h reads KV head h // (H / Hkv); SDPA does the grouping without copying K and V per head.
     out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask, scale=scale,
                                          enable_gqa=k.shape[1] != qp.shape[1])  # [B, H, Qmax, Dv]
-    out = out.transpose(1, 2)[meta.query_valid]  # [T, H, Dv] in sequence order
-    return out
+    out = out.transpose(1, 2)  # [B, Qmax, H, Dv]
+    return out[:, 0] if decode_only else out[meta.query_valid]  # [T, H, Dv] in sequence order
