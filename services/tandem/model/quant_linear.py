@@ -90,19 +90,21 @@ class Int8Kernel:
         self.torch_decode = None if self.native else TorchInt8Linear(Int8Weight(q[None], scale[None]))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k)  # [T, K]
-        t = x2.shape[0]
+        if x.dim() != 2:  # [..., K]: as [T, K]
+            return self(x.reshape(-1, x.shape[-1]), bias).reshape(*x.shape[:-1], -1)
+        t = x.shape[0]
+        # decode runs this ~25 times a step: no conversion or copy that is not needed
+        x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()  # [T, K]
         if t > self.prefill_tokens:
-            y = F.linear(x2.float(), self.q.float() * self.scale[:, None])  # [T, N]
+            y = F.linear(x32, self.q.float() * self.scale[:, None])  # [T, N]
         elif self.native is not None:
-            y = torch.empty(t, self.q.shape[0], dtype=torch.float32)  # [T, N]
-            self.native.linear_forward(x2.float().contiguous(), _INT8, self.q, self.scale, y)
+            y = torch.empty((t, self.q.shape[0]), dtype=torch.float32)  # [T, N]
+            self.native.linear_forward(x32, _INT8, self.q, self.scale, y)
         else:
-            y = self.torch_decode(0, x2)  # [T, N]
+            y = self.torch_decode(0, x32)  # [T, N]
         if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).reshape(*lead, -1)
+            y += bias
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 class Int8Linear(nn.Module):
