@@ -48,6 +48,7 @@ def build_attention_container(spec: HybridModelSpec) -> dict:
         FLAGS["experts"], contract.EXPERTS_SOCKET,
         FLAGS["device"], "cuda",
         FLAGS["gpu_memory_fraction"], _number(spec.kvCache.gpuMemoryFraction),
+        FLAGS["cpu_decode"] if spec.kvCache.cpuDecode else FLAGS["no_cpu_decode"],
     ]
     resources = {"cpu": str(spec.attention.cpus), "memory": spec.attention.memory,
                  "nvidia.com/gpu": str(spec.attention.gpus)}

@@ -63,6 +63,7 @@ class KVCacheSpec:
     blockSize: int = 16
     gpuMemoryFraction: float = 0.9
     cpuTierGiB: int = 8
+    cpuDecode: bool = True
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ def _kv_cache(raw: Mapping) -> KVCacheSpec:
         blockSize=_int(raw, "blockSize", "spec.kvCache", 16, minimum=1, maximum=1024),
         gpuMemoryFraction=float(fraction),
         cpuTierGiB=_int(raw, "cpuTierGiB", "spec.kvCache", 8, minimum=0),
+        cpuDecode=_bool(raw, "cpuDecode", "spec.kvCache", True),
     )
 
 

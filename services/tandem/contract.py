@@ -51,6 +51,8 @@ SERVE_FLAGS = {
     "gpu_memory_fraction": "--gpu-memory-fraction",
     "cpu_kv_gib": "--cpu-kv-gib",
     "expert_quant": "--expert-quant",
+    "cpu_decode": "--cpu-decode",  # a boolean flag: the operator renders it or no_cpu_decode
+    "no_cpu_decode": "--no-cpu-decode",
 }
 EXPERT_QUANTS = ("none", "int8", "int4")
 

@@ -22,7 +22,7 @@ SPECS = {
         "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["moe"]}]}]}},
         "tolerations": [], "nodeSelector": {"topology.kubernetes.io/zone": "a"}, "onePerNode": False},
-        "kvCache": {"cpuTierGiB": 0, "blockSize": 32, "gpuMemoryFraction": 0.5}},
+        "kvCache": {"cpuTierGiB": 0, "blockSize": 32, "gpuMemoryFraction": 0.5, "cpuDecode": False}},
     "nfs-volume": {**BASE, "model": {"path": "org/model", "volume": {"nfs": {"server": "nfs", "path": "/m"}}},
                    "imagePullSecrets": [{"name": "registry"}], "imagePullPolicy": "Always"},
 }
@@ -155,6 +155,24 @@ def test_container_commands_follow_the_contract():
     assert flag(experts, "threads") == "46" and flag(experts, "expert_quant") == "int8"
     assert flag(attention, "metrics_port") != flag(experts, "metrics_port")
     assert spec.replicas == children(SPECS["hostpath-int8"])["Deployment"]["spec"]["replicas"] == 3
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_container_args_are_what_tandem_serve_accepts(name):
+    """Every rendered command line goes through the real `tandem serve` parser and options check."""
+    from tandem.cli import build_parser
+    from tandem.rpc.cli_serve import options_from_args
+
+    spec = parse_spec(SPECS[name])
+    for container in containers(SPECS[name]).values():
+        opts = options_from_args(build_parser().parse_args(container["command"][1:] + container["args"]))
+        assert opts.role == container["name"] and opts.kv_shm == contract.KV_SHM_PATH
+        assert opts.block_size == spec.kvCache.blockSize and opts.cpu_kv_gib == spec.kvCache.cpuTierGiB
+        if opts.role == "attention":
+            assert opts.cpu_decode is spec.kvCache.cpuDecode
+            assert opts.gpu_memory_fraction == spec.kvCache.gpuMemoryFraction
+        else:
+            assert opts.expert_quant == spec.experts.quantization
 
 
 def test_service_and_pdb_select_the_pods():

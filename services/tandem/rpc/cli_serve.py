@@ -41,7 +41,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(F["cpu_kv_gib"], type=float, default=1.0, help="GiB of CPU-tier KV (default 1)")
     p.add_argument("--num-device-blocks", type=int,
                    help="KV blocks of the device tier, instead of sizing it from the device's free memory")
-    p.add_argument("--cpu-decode", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument(F["cpu_decode"], action=argparse.BooleanOptionalAction, default=True,
                    help="a sequence the device KV tier cannot hold moves to the CPU tier and keeps decoding "
                         "there, attention on the CPU cores (default); --no-cpu-decode pauses it until the "
                         "device tier has room")
