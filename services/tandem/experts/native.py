@@ -79,7 +79,8 @@ def _build(verbose: bool):
     _put_ninja_on_path()
     return load(
         name=_NAME,
-        sources=[str(src / "moe_cpu.cpp")],
+        # moe_cpu.cpp is the Python module; paged_attention.cpp registers torch.ops.tandem.* ops.
+        sources=[str(src / p.name) for p in sources if p.suffix == ".cpp"],
         extra_include_paths=[str(src)],
         # No -march: the kernels pick AVX2 or AVX-512 at run time, so one build runs anywhere.
         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],

@@ -23,6 +23,7 @@ class AttentionMetadata:
     query_valid: torch.Tensor  # [B, Qmax] bool
     mask: torch.Tensor  # [B, 1, Qmax, Lmax] bool, True where a query may attend a key
     seq_lens: torch.Tensor  # [B] context length after this step
+    sliding_window: int | None = None  # the mask's window, for kernels that apply it themselves
 
     @classmethod
     def build(cls, starts: list[int], lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -58,6 +59,7 @@ class AttentionMetadata:
             query_valid=query_valid.to(device),
             mask=mask[:, None].to(device),
             seq_lens=seq_lens.to(device),
+            sliding_window=sliding_window,
         )
 
 
@@ -74,7 +76,41 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """q [T, H, D]; caches [blocks, block_size, Hkv, D] -> [T, H, Dv]."""
+    """q [T, H, D] (exactly the tokens `meta` describes, in order); caches [blocks, block_size, Hkv, D]
+    and [blocks, block_size, Hkv, Dv] -> [T, H, Dv].
+
+    Float32 decode steps on the CPU run the native kernel, which reads K and V in place; everything
+    else (prefill chunks, CUDA, no compiler) runs `sdpa_paged_attention`. bf16 stays on SDPA too:
+    the kernel accumulates in float32 and rounds once, torch's attention rounds the probabilities
+    to bf16, and a one-ulp difference can flip an expert choice downstream, so bf16 serving would
+    stop tracking transformers (the kernel itself takes bf16; see tests/engine/test_native_attention.py).
+    """
+    decode_only = meta.query_index.shape[1] == 1  # one token per sequence, in sequence order
+    if decode_only and q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:
+        kernel = native_decode_attention()
+        if kernel is not None:
+            return kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.sliding_window or 0)
+    return sdpa_paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+_native_decode = None  # resolved on first use: the op, or False
+
+
+def native_decode_attention():
+    """torch.ops.tandem.paged_decode_attention (experts/csrc/paged_attention.cpp, built with the
+    native expert kernel), or None where that kernel is not available."""
+    global _native_decode
+    if _native_decode is None:
+        from tandem.experts.native import load_kernel
+
+        ops = torch.ops.tandem if load_kernel() is not None else None
+        _native_decode = getattr(ops, "paged_decode_attention", False) if ops is not None else False
+    return _native_decode or None
+
+
+def sdpa_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+    """`paged_attention` with torch ops: gather the blocks, one padded SDPA over the batch."""
     decode_only = meta.query_index.shape[1] == 1  # one token per sequence, in sequence order: no gather
     qp = (q[:, None] if decode_only else q[meta.query_index]).transpose(1, 2)  # [B, H, Qmax, D]
     k = gather_kv(k_cache, meta.block_tables).transpose(1, 2)  # [B, Hkv, L, D]

@@ -1,0 +1,237 @@
+// Paged decode attention on the CPU: one query token per sequence, K and V read in place from
+// the block-paged cache (no gather copy), online softmax in float32.
+//
+// This is the attention of CPU decode: sequences whose KV lives on the CPU tier (long contexts,
+// in the experts process or in process) and every decode step when the compute device is the
+// CPU. Decode attention streams each sequence's KV once, so like the expert GEMVs it is bound
+// by memory bandwidth; gathering the blocks into a contiguous copy first (what the torch path
+// does) reads and writes it all twice more.
+//
+// Layouts (any strides, last dim contiguous): q [B, H, D]; k_cache [blocks, block_size, Hkv, D];
+// v_cache [blocks, block_size, Hkv, Dv] (Dv may be smaller than D and v a view into k: MLA's
+// latent cache, whose first Dv numbers are the value); block_tables [B, max_blocks] int64;
+// seq_lens [B] int64. Query head h reads KV head h / (H / Hkv). Registered as the torch op
+// tandem::paged_decode_attention.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxGroup = 1024;  // query heads per KV head (MLA: every head shares one)
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+// The hot loops, compiled for AVX-512, AVX2 and baseline x86-64; the loader picks one at run
+// time. `omp simd reduction` lets the dot products vectorize without -ffast-math.
+
+// s[j * n + t] = q_j . k_t for the group's j < g query heads and the block's t < n tokens.
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+void block_scores(const float* q, int64_t g, int64_t D, const float* k, int64_t k_stride, int64_t n, float* s) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* kt = k + t * k_stride;
+    for (int64_t j = 0; j < g; ++j) {
+      const float* qj = q + j * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < D; ++i) dot += qj[i] * kt[i];
+      s[j * n + t] = dot;
+    }
+  }
+}
+
+// acc_j = acc_j * rescale[j] + sum_t p[j * n + t] * v_t for j < g; acc_j starts at acc + j * acc_stride.
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+void block_values(float* acc, int64_t acc_stride, const float* rescale, int64_t g, int64_t Dv, const float* v,
+                  int64_t v_stride, int64_t n, const float* p) {
+  for (int64_t j = 0; j < g; ++j) {
+    float* a = acc + j * acc_stride;
+    const float c = rescale[j];
+#pragma omp simd
+    for (int64_t i = 0; i < Dv; ++i) a[i] *= c;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vt = v + t * v_stride;
+    for (int64_t j = 0; j < g; ++j) {
+      float* a = acc + j * acc_stride;
+      const float w = p[j * n + t];
+#pragma omp simd
+      for (int64_t i = 0; i < Dv; ++i) a[i] += w * vt[i];
+    }
+  }
+}
+
+// Rows [n] of a block (stride `stride` elements) as float32: in place for float caches, else
+// converted into buf [n, width] (bf16/fp16 caches).
+template <typename T>
+inline const float* rows_as_float(const T* src, int64_t stride, int64_t n, int64_t width, float* buf,
+                                  int64_t* out_stride) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < width; ++i) buf[t * width + i] = to_float(src[t * stride + i]);
+  *out_stride = width;
+  return buf;
+}
+template <>
+inline const float* rows_as_float<float>(const float* src, int64_t stride, int64_t, int64_t, float*,
+                                         int64_t* out_stride) {
+  *out_stride = stride;
+  return src;
+}
+
+// Partial attention of one query head over one chunk of a sequence's tokens: running max m,
+// softmax denominator l and the unnormalised weighted value sum acc [Dv] (flash-decoding).
+struct Partials {
+  float* data;
+  int64_t chunks, heads, width;  // width = Dv + 2: acc, then m, then l
+  float* at(int64_t b, int64_t c, int64_t h) const { return data + ((b * chunks + c) * heads + h) * width; }
+};
+
+template <typename T>
+void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                      const at::Tensor& lens, double scale, int64_t window, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k.size(1), Hkv = k.size(2), Dv = v.size(3);
+  const int64_t group = H / Hkv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const int64_t ts0 = tables.stride(0), os0 = out.stride(0), os1 = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // Work items are (sequence, chunk of blocks): a chunk's blocks are read whole (every KV head)
+  // by one thread while they sit in its cache, and a long sequence alone still uses every core.
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b]);
+  const int64_t max_blocks = (max_len + bs - 1) / bs;
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk_blocks = std::max<int64_t>(8, (max_blocks + 2 * threads - 1) / (2 * threads));
+  const int64_t chunks = std::max<int64_t>(1, (max_blocks + chunk_blocks - 1) / chunk_blocks);
+  std::vector<float> storage(B * chunks * H * (Dv + 2));
+  const Partials part{storage.data(), chunks, H, Dv + 2};
+
+  at::parallel_for(0, B * chunks, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> qf(H * D), s(group * bs), kbuf(bs * D), vbuf(bs * Dv), rescale(group);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / chunks, c = w % chunks, len = lp[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t lo = std::max(first, c * chunk_blocks * bs), hi = std::min(len, (c + 1) * chunk_blocks * bs);
+      for (int64_t h = 0; h < H; ++h) {  // empty partials (m = -inf) merge to nothing
+        float* ph = part.at(b, c, h);
+        std::fill(ph, ph + Dv, 0.f);
+        ph[Dv] = neg_inf;
+        ph[Dv + 1] = 0.f;
+      }
+      if (lo >= hi) continue;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* src = qp + b * qs0 + h * qs1;
+        for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(src[i]) * fscale;
+      }
+      for (int64_t pos = lo; pos < hi;) {
+        const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs;
+        const int64_t n = std::min(bs - slot, hi - pos);  // tokens of this block in range
+        for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+          int64_t k_stride, v_stride;
+          const float* kf = rows_as_float(kp + block * ks0 + slot * ks1 + kvh * ks2, ks1, n, D, kbuf.data(),
+                                          &k_stride);
+          block_scores(qf.data() + kvh * group * D, group, D, kf, k_stride, n, s.data());
+          for (int64_t j = 0; j < group; ++j) {  // online softmax, one rescale per block
+            float* ph = part.at(b, c, kvh * group + j);
+            float* sj = s.data() + j * n;
+            const float m_new = std::max(ph[Dv], *std::max_element(sj, sj + n));
+            rescale[j] = std::exp(ph[Dv] - m_new);  // 0 on the first block (m = -inf)
+            float sum = 0.f;
+            for (int64_t t = 0; t < n; ++t) {
+              sj[t] = std::exp(sj[t] - m_new);
+              sum += sj[t];
+            }
+            ph[Dv + 1] = ph[Dv + 1] * rescale[j] + sum;
+            ph[Dv] = m_new;
+          }
+          const float* vf = rows_as_float(vp + block * vs0 + slot * vs1 + kvh * vs2, vs1, n, Dv, vbuf.data(),
+                                          &v_stride);
+          block_values(part.at(b, c, kvh * group), part.width, rescale.data(), group, Dv, vf, v_stride, n,
+                       s.data());
+        }
+        pos += n;
+      }
+    }
+  });
+
+  // Merge each head's chunk partials: rescale to the common max, sum, normalise.
+  at::parallel_for(0, B * H, 16, [&](int64_t w0, int64_t w1) {
+    std::vector<float> acc(Dv);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / H, h = w % H;
+      float m = neg_inf, l = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part.at(b, c, h)[Dv]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (m > neg_inf) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* ph = part.at(b, c, h);
+          if (ph[Dv] == neg_inf) continue;
+          const float f = std::exp(ph[Dv] - m);
+          l += ph[Dv + 1] * f;
+          for (int64_t i = 0; i < Dv; ++i) acc[i] += ph[i] * f;
+        }
+      }
+      T* dst = op + b * os0 + h * os1;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      for (int64_t i = 0; i < Dv; ++i) dst[i] = static_cast<T>(acc[i] * inv);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t sliding_window) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode_attention: q [B, H, D], "
+              "k_cache [blocks, block_size, Hkv, D], v_cache [blocks, block_size, Hkv, Dv]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_decode_attention: the last dimension must be contiguous");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && v_cache.size(2) == k_cache.size(2) &&
+              v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1),
+              "paged_decode_attention: cache shapes do not match the query");
+  const int64_t heads = q.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
+              "paged_decode_attention: query heads must be a multiple of KV heads (at most ", kMaxGroup, " each)");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+              block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
+              "paged_decode_attention: block_tables [B, max_blocks] and seq_lens [B] int64");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = at::empty({q.size(0), heads, v_cache.size(3)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "paged_decode_attention: float64 is not supported");
+    } else {
+      decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, scale, sliding_window, out);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale, int sliding_window) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}

@@ -1,0 +1,90 @@
+"""The native paged decode-attention kernel against the torch path (gather + SDPA) it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.experts.native import load_kernel, unavailable_reason
+from tandem.kv.attention import AttentionMetadata, native_decode_attention, paged_attention, sdpa_paged_attention
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    # make install builds it; a machine without a compiler falls back to torch, but this one has one.
+    assert load_kernel() is not None, unavailable_reason()
+    op = native_decode_attention()
+    assert op is not None
+    return op
+
+
+def scattered(lens: list[int], extra_blocks: int = 3, seed: int = 0) -> tuple[list[list[int]], int]:
+    """Block tables over a shuffled pool, as a long-running cache leaves them."""
+    num_blocks = sum(-(-n // BS) for n in lens) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, used = [], 0
+    for n in lens:
+        need = -(-n // BS)
+        tables.append(perm[used:used + need])
+        used += need
+    return tables, num_blocks
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, v_dim", [(8, 8, 64, 64), (12, 4, 32, 32), (16, 1, 72, 64)])
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_matches_the_torch_path(kernel, dtype, tol, heads, kv_heads, head_dim, v_dim, window, threads):
+    # Sequences of 1 token, part of a block, many blocks (several chunks per thread), and one
+    # ending on a block boundary.
+    lens = [1, 7, 3000, 64]
+    tables, num_blocks = scattered(lens)
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(num_blocks, BS, kv_heads, head_dim, generator=g).to(dtype)
+    if v_dim < head_dim:  # MLA's latent: the value is the key's first v_dim numbers (a view)
+        v = k[..., :v_dim]
+    else:
+        v = torch.randn(num_blocks, BS, kv_heads, v_dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    meta = AttentionMetadata.build([n - 1 for n in lens], [1] * len(lens), tables, BS, torch.device("cpu"), window)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(q, k, v, meta.block_tables, meta.seq_lens, 0.125, window or 0)
+    finally:
+        torch.set_num_threads(before)
+    ref = sdpa_paged_attention(q.float(), k.float(), v.float(), meta, 0.125)
+    assert out.dtype == dtype and out.shape == (len(lens), heads, v_dim)
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_float32_decode_steps_take_the_kernel_and_the_rest_the_torch_path(kernel, monkeypatch):
+    tables, num_blocks = scattered([20, 9])
+    k, v = torch.randn(num_blocks, BS, 2, 16), torch.randn(num_blocks, BS, 2, 16)
+    decode = AttentionMetadata.build([19, 8], [1, 1], tables, BS, torch.device("cpu"))
+    calls = []
+    monkeypatch.setattr("tandem.kv.attention._native_decode", lambda *a: calls.append(a[0].dtype) or kernel(*a))
+    paged_attention(torch.randn(2, 4, 16), k, v, decode, 0.25)
+    paged_attention(torch.randn(2, 4, 16, dtype=torch.bfloat16), k.bfloat16(), v.bfloat16(), decode, 0.25)
+    assert calls == [torch.float32]
+
+
+def test_prefill_chunks_take_the_torch_path(kernel, monkeypatch):
+    tables, num_blocks = scattered([20, 9])
+    k, v = torch.randn(num_blocks, BS, 2, 16), torch.randn(num_blocks, BS, 2, 16)
+    q = torch.randn(7, 4, 16)
+    meta = AttentionMetadata.build([15, 6], [5, 2], tables, BS, torch.device("cpu"))
+    monkeypatch.setattr("tandem.kv.attention._native_decode", lambda *a: pytest.fail("native kernel on a prefill"))
+    torch.testing.assert_close(paged_attention(q, k, v, meta, 0.25), sdpa_paged_attention(q, k, v, meta, 0.25))
+
+
+def test_bad_shapes_are_refused_with_a_message(kernel):
+    tables, num_blocks = scattered([5])
+    k = torch.randn(num_blocks, BS, 3, 16)
+    meta = AttentionMetadata.build([4], [1], tables, BS, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="query heads must be a multiple of KV heads"):
+        kernel(torch.randn(1, 4, 16), k, k, meta.block_tables, meta.seq_lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        kernel(torch.randn(1, 3, 16, dtype=torch.bfloat16), k, k, meta.block_tables, meta.seq_lens, 1.0, 0)
