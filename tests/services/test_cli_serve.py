@@ -18,12 +18,15 @@ def test_every_contract_flag_is_accepted(tmp_path):
               "experts": contract.EXPERTS_SOCKET, "kv_shm": contract.KV_SHM_PATH, "device": "cpu",
               "dtype": "bfloat16", "threads": "3", "block_size": "32", "gpu_memory_fraction": "0.5",
               "cpu_kv_gib": "2", "expert_quant": "int8"}
-    assert set(values) == set(contract.SERVE_FLAGS)
-    argv = [a for key, flag in contract.SERVE_FLAGS.items() for a in (flag, values[key])]
+    switches = {"cpu_decode": True, "no_cpu_decode": False}  # flags without a value
+    assert set(values) | set(switches) == set(contract.SERVE_FLAGS)
+    argv = [a for key, flag in contract.SERVE_FLAGS.items() if key in values for a in (flag, values[key])]
     opts = parse(*argv)
     assert (opts.role, opts.experts, opts.kv_shm, opts.metrics_port) == (
         "attention", contract.EXPERTS_SOCKET, contract.KV_SHM_PATH, 9500)
     assert (opts.threads, opts.block_size, opts.gpu_memory_fraction, opts.expert_quant) == (3, 32, 0.5, "int8")
+    for key, value in switches.items():
+        assert parse(*argv, contract.SERVE_FLAGS[key]).cpu_decode is value
 
 
 def test_defaults_follow_the_contract(tmp_path):
