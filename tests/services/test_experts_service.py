@@ -95,3 +95,48 @@ def test_unreachable_experts_raise_experts_unavailable(tmp_path):
     with pytest.raises(ExpertsUnavailable):
         client.info()
     client.close()
+
+
+async def test_the_data_plane_answers_forward_as_grpc_does(experts, tmp_path):
+    """A same-host client learns the data socket from GetExpertsInfo and sends Forward over it:
+    the same bytes back, the same field-named errors, and the gRPC path still there."""
+    address, local = experts
+    fast, plain = GrpcExpertExecutor(address), GrpcExpertExecutor(address, data_plane=False)
+    info = await asyncio.to_thread(fast.info)
+    assert info.data_socket == f"{tmp_path}/experts.sock.data" == fast.data_socket
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden, ids, weights = batch(tokens=7, dtype=dtype)
+        over_wire = await asyncio.to_thread(fast.forward, 1, hidden, ids, weights)
+        assert fast._data is not None  # it went over the data plane
+        assert torch.equal(over_wire, await asyncio.to_thread(plain.forward, 1, hidden, ids, weights))
+        assert torch.equal(over_wire, local.forward(1, hidden, ids, weights))
+    hidden, ids, weights = batch()
+    for args, name in [((7, hidden, ids, weights), "layer"), ((0, hidden[:, :32], ids, weights), "hidden"),
+                       ((0, hidden, ids + 8, weights), "topk_ids"), ((0, hidden, ids, weights[:, :1]), "topk_ids")]:
+        with pytest.raises(RuntimeError, match=f"INVALID_ARGUMENT: {name}:"):
+            await asyncio.to_thread(fast.forward, *args)
+    # the connection survives bad requests
+    assert torch.equal(await asyncio.to_thread(fast.forward, 0, hidden, ids, weights), local.forward(0, hidden, ids, weights))
+    fast.close()
+    plain.close()
+
+
+async def test_a_garbled_frame_closes_only_its_own_connection(experts):
+    import socket
+
+    address, local = experts
+    client = GrpcExpertExecutor(address)
+    await asyncio.to_thread(client.info)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as rogue:
+        rogue.settimeout(10)
+        rogue.connect(client.data_socket)
+        rogue.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(32))
+        try:
+            reply = rogue.recv(1)
+        except ConnectionResetError:  # closed with our unread bytes still queued
+            reply = b""
+        assert reply == b""  # closed by the server, no reply
+    hidden, ids, weights = batch()
+    assert torch.equal(await asyncio.to_thread(client.forward, 0, hidden, ids, weights),
+                       local.forward(0, hidden, ids, weights))
+    client.close()

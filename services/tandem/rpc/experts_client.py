@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import grpc
 import torch
 
 from tandem.experts.base import ExpertsUnavailable
+from tandem.rpc import expert_wire as wire
 from tandem.rpc.gen import experts_pb2, experts_pb2_grpc
-from tandem.rpc.tensors import from_proto, to_proto
+from tandem.rpc.tensors import BadTensor, from_proto, to_proto
 
 # Reconnect quickly once the experts process is back: gRPC's default backoff grows to 120 s.
 CHANNEL_OPTIONS = (
@@ -24,31 +26,69 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 class GrpcExpertExecutor:
     """Implements ExpertExecutor by calling the Experts service at `address` (`unix:/path` or
-    `host:port`). Raises ExpertsUnavailable when it cannot be reached within `timeout_s`."""
+    `host:port`). Raises ExpertsUnavailable when it cannot be reached within `timeout_s`.
 
-    def __init__(self, address: str, *, timeout_s: float = 30.0, metrics=None):
+    Once `info()` has seen the experts process advertise a data plane socket (same host), and
+    unless `data_plane=False`, Forward goes over it (`tandem.rpc.expert_wire`) instead of gRPC."""
+
+    def __init__(self, address: str, *, timeout_s: float = 30.0, metrics=None, data_plane: bool = True):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
         self.metrics = metrics
+        self.use_data_plane = data_plane
+        self.data_socket: str | None = None  # advertised by the experts process
+        self._data: socket.socket | None = None
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = experts_pb2_grpc.ExpertsStub(self._channel)
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        request = experts_pb2.ExpertForwardRequest(
-            layer=layer, hidden=to_proto(hidden), topk_ids=to_proto(topk_ids.to(torch.int64)),
-            topk_weights=to_proto(topk_weights.to(torch.float32)))
         start = time.perf_counter()
-        response = self._call(self._stub.Forward, request)
+        if self.use_data_plane and self.data_socket:
+            out = self._forward_data(layer, hidden, topk_ids, topk_weights)
+        else:
+            request = experts_pb2.ExpertForwardRequest(
+                layer=layer, hidden=to_proto(hidden), topk_ids=to_proto(topk_ids.to(torch.int64)),
+                topk_weights=to_proto(topk_weights.to(torch.float32)))
+            out = from_proto(self._call(self._stub.Forward, request).output, "output")
         if self.metrics is not None:
             self.metrics.expert_call_latency.observe(time.perf_counter() - start)
-        return from_proto(response.output, "output").to(hidden.device)
+        return out.to(hidden.device)
+
+    def _forward_data(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
+        where = f"experts data plane at {self.data_socket}"
+        try:
+            if self._data is None:
+                self._data = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._data.settimeout(self.timeout_s)
+                self._data.connect(self.data_socket)
+            wire.send_request(self._data, layer, hidden, topk_ids, topk_weights)
+            status, payload = wire.recv_response(self._data, hidden.dtype, tuple(hidden.shape))
+        except BadTensor as exc:  # refused before sending: the connection is still in step
+            raise RuntimeError(f"{where}: INVALID_ARGUMENT: {exc}") from exc
+        except (OSError, wire.WireError) as exc:  # refused, reset, timed out: down, as gRPC's UNAVAILABLE
+            self._close_data()
+            raise ExpertsUnavailable(f"{where}: {exc}") from exc
+        if status == wire.OK:
+            return payload
+        if status == wire.UNAVAILABLE:
+            raise ExpertsUnavailable(f"{where}: UNAVAILABLE: {payload}")
+        raise RuntimeError(f"{where}: {wire.STATUS_NAMES.get(status, status)}: {payload}")
+
+    def _close_data(self) -> None:
+        if self._data is not None:
+            self._data.close()
+            self._data = None
 
     def info(self, timeout_s: float | None = None) -> experts_pb2.ExpertsInfo:
         """What the experts process holds; ExpertsUnavailable when it is unreachable."""
-        return self._call(self._stub.GetExpertsInfo, experts_pb2.GetExpertsInfoRequest(), timeout_s)
+        info = self._call(self._stub.GetExpertsInfo, experts_pb2.GetExpertsInfoRequest(), timeout_s)
+        if info.data_socket != self.data_socket:
+            self._close_data()
+            self.data_socket = info.data_socket or None
+        return info
 
     def cpu_attention(self, layer: int, query: torch.Tensor, block_tables: list[list[int]], seq_lens: list[int],
                       scale: float = 0.0, *, query_lens: list[int] | None = None, value_dim: int = 0,
@@ -78,6 +118,7 @@ class GrpcExpertExecutor:
             raise RuntimeError(f"experts at {self.address}: {exc.code().name}: {exc.details()}") from exc
 
     def close(self) -> None:
+        self._close_data()
         self._channel.close()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 
 import grpc
@@ -31,9 +32,30 @@ def decode_forward_request(request: experts_pb2.ExpertForwardRequest):
     return hidden, topk_ids, topk_weights
 
 
+def check_forward(info: experts_pb2.ExpertsInfo, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor) -> None:
+    """What a Forward must satisfy beyond its tensors' own shapes; BadTensor names the field."""
+    if layer not in info.moe_layers:
+        raise BadTensor("layer", f"{layer} has no routed experts here (MoE layers: {list(info.moe_layers)})")
+    if hidden.dim() != 2 or not hidden.is_floating_point():
+        raise BadTensor("hidden", f"must be a 2-D float tensor [T, H], got {hidden.dtype} {list(hidden.shape)}")
+    if hidden.shape[1] != info.hidden_size:
+        raise BadTensor("hidden", f"hidden size {hidden.shape[1]}, this model has {info.hidden_size}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
+        raise BadTensor("topk_ids", f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} "
+                        f"must both be [T={hidden.shape[0]}, k]")
+    if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < info.num_experts:
+        raise BadTensor("topk_ids", f"expert ids must be in [0, {info.num_experts})")
+
+
+class NotLoaded(RuntimeError):
+    """The expert weights are still loading (UNAVAILABLE)."""
+
+
 class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
-    """Serves one ExpertExecutor. Calls run one at a time on a worker thread: torch's own
-    threads parallelise each call, and the attention process sends one layer at a time anyway."""
+    """Serves one ExpertExecutor. Calls run one at a time, on a worker thread for gRPC and on the
+    data plane's connection threads (`tandem.rpc.experts_data`): torch's own threads
+    parallelise each call, and the attention process sends one layer at a time anyway."""
 
     def __init__(self, metrics: ServingMetrics):
         self.metrics = metrics
@@ -41,6 +63,7 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         self.info = experts_pb2.ExpertsInfo()
         self.cpu_attention = None
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="experts")
+        self._one_at_a_time = threading.Lock()
 
     def attach(self, executor, info: experts_pb2.ExpertsInfo, cpu_attention=None) -> None:
         """Starts serving `executor`; until then every call answers UNAVAILABLE (weights loading)."""
@@ -50,26 +73,27 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
         if self.executor is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the expert weights are still loading")
 
+    def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """One Forward, checked (BadTensor names the field; NotLoaded while loading), timed, and
+        serialised with every other call. Both the gRPC method and the data plane call this."""
+        if self.executor is None:
+            raise NotLoaded("the expert weights are still loading")
+        check_forward(self.info, layer, hidden, topk_ids, topk_weights)
+        with self._one_at_a_time:
+            start = time.perf_counter()
+            out = self.executor.forward(layer, hidden, topk_ids, topk_weights)
+            self.metrics.expert_call_latency.observe(time.perf_counter() - start)
+        return out
+
     async def Forward(self, request, context):
         await self._check_loaded(context)
-        if request.layer not in self.info.moe_layers:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"layer: {request.layer} has no routed experts here "
-                                f"(MoE layers: {list(self.info.moe_layers)})")
         try:
             hidden, topk_ids, topk_weights = decode_forward_request(request)
+            out = await asyncio.get_running_loop().run_in_executor(
+                self._worker, self.forward, request.layer, hidden, topk_ids, topk_weights)
         except BadTensor as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if hidden.shape[1] != self.info.hidden_size:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"hidden: hidden size {hidden.shape[1]}, this model has {self.info.hidden_size}")
-        if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < self.info.num_experts:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"topk_ids: expert ids must be in [0, {self.info.num_experts})")
-        start = time.perf_counter()
-        out = await asyncio.get_running_loop().run_in_executor(
-            self._worker, self.executor.forward, request.layer, hidden, topk_ids, topk_weights)
-        self.metrics.expert_call_latency.observe(time.perf_counter() - start)
         return experts_pb2.ExpertForwardResponse(output=to_proto(out))
 
     async def CpuAttention(self, request, context):

@@ -26,6 +26,8 @@ from tandem.rpc import experts_server, inference_server, loading
 from tandem.rpc.addresses import check_address, prepare_unix_socket, with_bound_port
 from tandem.rpc.cpu_attention import CpuAttention, SharedCpuKV, publish_layout
 from tandem.rpc.engine_loop import EngineLoop
+from tandem.rpc.expert_wire import data_socket_path
+from tandem.rpc.experts_data import DataPlaneServer
 
 log = logging.getLogger("tandem.serve")
 
@@ -152,7 +154,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
-    engine_loop = None
+    engine_loop = data_plane = None
     try:
         loaded = await _wait_loaded(_load_in_thread(lambda: _load(opts, metrics)), stop)
         if loaded is None:
@@ -160,6 +162,10 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
             return 0
         if opts.role == "experts":
             executor, info = loaded
+            path = data_socket_path(opts.listen)
+            if path is not None:  # the hot path for a same-host attention process
+                data_plane = DataPlaneServer(path, servicer)
+                info.data_socket = path
             servicer.attach(executor, info, CpuAttention(SharedCpuKV(opts.kv_shm)) if opts.kv_shm else None)
             await health_state.set(True)
         else:
@@ -193,6 +199,8 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
             engine_loop.stop(timeout=5.0)
         if opts.role == "experts":
             servicer.close()
+        if data_plane is not None:
+            data_plane.close()
         if httpd is not None:
             httpd.shutdown()
 

@@ -72,17 +72,19 @@ class GetExpertsInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExpertsInfo(_message.Message):
-    __slots__ = ("model", "moe_layers", "num_experts", "hidden_size", "dtype", "kv_shm_path")
+    __slots__ = ("model", "moe_layers", "num_experts", "hidden_size", "dtype", "kv_shm_path", "data_socket")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     model: str
     moe_layers: _containers.RepeatedScalarFieldContainer[int]
     num_experts: int
     hidden_size: int
     dtype: str
     kv_shm_path: str
-    def __init__(self, model: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_shm_path: _Optional[str] = ...) -> None: ...
+    data_socket: str
+    def __init__(self, model: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_shm_path: _Optional[str] = ..., data_socket: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,117 @@
+"""The experts data plane: `Experts.Forward` as raw frames over a Unix socket, for the hot path.
+
+An attention process calls the experts once per MoE layer per step (58 times a token for
+DeepSeek-V3), so the call's own cost is paid that often. A gRPC unary call through grpc.aio
+costs about a millisecond on a small CPU; a blocking Unix-socket round trip tens of
+microseconds. Both processes of a replica share a pod (and /run/tandem), so next to its gRPC
+socket the experts process listens on `<socket>.data` and advertises it in
+`ExpertsInfo.data_socket`. The gRPC service stays the contract (health, reflection, checks,
+CpuAttention); this carries only Forward's tensors, with the same validation and errors.
+
+Frames, little-endian:
+- request: header `REQUEST` (magic, dtype code, layer, tokens, hidden, top_k), then
+  hidden [T, H] in that dtype, topk_ids [T, k] int64, topk_weights [T, k] float32;
+- response: header `RESPONSE` (magic, status, payload bytes), then the output [T, H] in the
+  request's dtype (status OK) or a UTF-8 message (INVALID_ARGUMENT, UNAVAILABLE, INTERNAL).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import torch
+
+from tandem.rpc.tensors import BadTensor
+
+REQUEST = struct.Struct("<4sIIIII")  # magic, dtype code, layer, tokens, hidden size, top_k
+RESPONSE = struct.Struct("<4sII")  # magic, status, payload bytes
+REQUEST_MAGIC, RESPONSE_MAGIC = b"TXF1", b"TXR1"
+OK, INVALID_ARGUMENT, UNAVAILABLE, INTERNAL = 0, 1, 2, 3
+STATUS_NAMES = {OK: "OK", INVALID_ARGUMENT: "INVALID_ARGUMENT", UNAVAILABLE: "UNAVAILABLE", INTERNAL: "INTERNAL"}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+MAX_FRAME_BYTES = 1 << 30  # as the gRPC message limit
+
+
+class WireError(RuntimeError):
+    """A frame that does not parse: the connection is out of step and must be closed."""
+
+
+def data_socket_path(listen: str) -> str | None:
+    """Where the experts process listening on `listen` serves the data plane; None unless it
+    listens on a Unix socket path (a TCP peer may be on another host)."""
+    if not listen.startswith("unix:") or listen.startswith("unix-abstract:"):
+        return None
+    return listen[len("unix:"):].removeprefix("//") + ".data"
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Exactly n bytes; ConnectionError when the peer closes first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("the peer closed the connection")
+        got += k
+    return buf
+
+
+def send_request(sock: socket.socket, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> None:
+    """Raises BadTensor, sending nothing, for tensors whose shapes the header cannot describe."""
+    if hidden.dtype not in DTYPE_CODES or hidden.dim() != 2:
+        raise BadTensor("hidden", f"must be [T, H] float32, bfloat16 or float16, got {hidden.dtype} "
+                        f"{list(hidden.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
+        raise BadTensor("topk_ids", f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} "
+                        f"must both be [T={hidden.shape[0]}, k]")
+    tokens, size = hidden.shape
+    header = REQUEST.pack(REQUEST_MAGIC, DTYPE_CODES[hidden.dtype], layer, tokens, size, topk_ids.shape[1])
+    sock.sendall(header + _bytes(hidden) + _bytes(topk_ids.to(torch.int64)) + _bytes(topk_weights.to(torch.float32)))
+
+
+def recv_request(sock: socket.socket) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(layer, hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32)."""
+    magic, code, layer, tokens, size, top_k = REQUEST.unpack(recv_exact(sock, REQUEST.size))
+    if magic != REQUEST_MAGIC or code not in DTYPES:
+        raise WireError(f"not an expert-forward frame (magic {magic!r}, dtype code {code})")
+    dtype = DTYPES[code]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if tokens * (size * itemsize + top_k * 12) > MAX_FRAME_BYTES:
+        raise WireError(f"a frame of {tokens} tokens x {size} is larger than {MAX_FRAME_BYTES} bytes")
+    hidden = _tensor(recv_exact(sock, tokens * size * itemsize), dtype, (tokens, size))
+    ids = _tensor(recv_exact(sock, tokens * top_k * 8), torch.int64, (tokens, top_k))
+    weights = _tensor(recv_exact(sock, tokens * top_k * 4), torch.float32, (tokens, top_k))
+    return layer, hidden, ids, weights
+
+
+def send_response(sock: socket.socket, status: int, payload: torch.Tensor | str) -> None:
+    data = payload.encode() if isinstance(payload, str) else _bytes(payload)
+    sock.sendall(RESPONSE.pack(RESPONSE_MAGIC, status, len(data)) + data)
+
+
+def recv_response(sock: socket.socket, dtype: torch.dtype, shape: tuple[int, int]) -> tuple[int, torch.Tensor | str]:
+    """(OK, output tensor) or (error status, message)."""
+    magic, status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+    if magic != RESPONSE_MAGIC or length > MAX_FRAME_BYTES:
+        raise WireError(f"not an expert-forward response (magic {magic!r})")
+    data = recv_exact(sock, length)
+    if status != OK:
+        return status, data.decode(errors="replace")
+    expected = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    if length != expected:
+        raise WireError(f"response of {length} bytes, expected {expected} for {list(shape)} {dtype}")
+    return OK, _tensor(data, dtype, shape)
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    t = tensor.detach().to("cpu").contiguous()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _tensor(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)  # owns `data`: a fresh bytearray
