@@ -152,6 +152,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--mode", choices=["embedded", "split"], default="embedded",
                    help="split: experts in a `serve --role experts` process on cores disjoint from this "
                         "one's, measured against embedded in the same run")
+    p.add_argument("--split-cores", choices=["disjoint", "shared"], default="disjoint",
+                   help="--mode split: disjoint cores per process (default; 2 cores split 1 + 1), or both on "
+                        "every core taking turns, the experts process with OMP_WAIT_POLICY=PASSIVE so its idle "
+                        "threads sleep (start the bench itself with it too)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip measuring this machine's read bandwidth")
     from tandem.cli import add_engine_args
 
@@ -220,15 +224,27 @@ def pin_process(cores: list[int]) -> None:
 
 
 def bench_split(args, concurrency: list[int], bandwidth: float | None) -> dict:
-    """Embedded first (all cores), then the split pair on disjoint cores, in one run: the
-    per-token ratio between them is the cost of the split deployment on this machine."""
+    """Embedded first (all cores), then the split pair, in one run: the per-token ratio between
+    them is the cost of the split deployment on this machine.
+
+    The two processes take turns (attention, then the experts of that layer, then the next
+    layer's attention), so sharing cores costs nothing in principle; in practice OpenMP threads
+    spin after each parallel region (GNU OpenMP's default) and take the core the other process
+    needs. Hence disjoint cores (as Kubernetes' CPU manager gives the pod's two containers), or
+    shared cores with sleeping idle threads (OMP_WAIT_POLICY=PASSIVE)."""
     from tandem.cli import UsageError
 
     all_cores = sorted(os.sched_getaffinity(0))
-    try:
-        attention_cores, expert_cores = split_cores(all_cores)
-    except ValueError as exc:
-        raise UsageError(f"--mode split: {exc}") from None
+    if args.split_cores == "shared":
+        attention_cores = expert_cores = all_cores
+        if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+            print("--split-cores shared: this process's OpenMP threads spin while the experts work; "
+                  "run it with OMP_WAIT_POLICY=PASSIVE", file=sys.stderr)
+    else:
+        try:
+            attention_cores, expert_cores = split_cores(all_cores)
+        except ValueError as exc:
+            raise UsageError(f"--mode split: {exc}") from None
     embedded, bytes_per_expert = bench_engine(args, concurrency, bandwidth)
     experts_proc, args.expert_executor = start_split_experts(args, expert_cores)
     threads = torch.get_num_threads()
@@ -242,10 +258,10 @@ def bench_split(args, concurrency: list[int], bandwidth: float | None) -> dict:
         torch.set_num_threads(threads)
         experts_proc.terminate()
         experts_proc.wait(timeout=30)
-    result["cores"] = {"attention": attention_cores, "experts": expert_cores}
+    result["cores"] = {"attention": attention_cores, "experts": expert_cores, "split": args.split_cores}
     result["embedded"] = {k: embedded[k] for k in ("prefill_tok_s", "decode_tok_s", "itl_p50_s", "concurrency")}
     result["split_vs_embedded_decode"] = result["decode_tok_s"] / embedded["decode_tok_s"]
-    print(f"split: attention on cores {attention_cores}, experts on cores {expert_cores}; decode "
+    print(f"split ({args.split_cores}): attention on cores {attention_cores}, experts on cores {expert_cores}; decode "
           f"{result['decode_tok_s']:.1f} tok/s = {result['split_vs_embedded_decode']:.2f}x embedded "
           f"({embedded['decode_tok_s']:.1f} tok/s on all {len(all_cores)} cores)", file=sys.stderr)
     return result
@@ -269,7 +285,9 @@ def start_split_experts(args, cores: list[int]):
     taskset = shutil.which("taskset")
     if taskset is None:
         raise RuntimeError("--mode split pins the experts process with taskset (util-linux), not found")
-    proc = subprocess.Popen([taskset, "-c", ",".join(map(str, cores)), *cmd], stdout=subprocess.DEVNULL)
+    shared = cores == sorted(os.sched_getaffinity(0))
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE") if shared else None  # see bench_split
+    proc = subprocess.Popen([taskset, "-c", ",".join(map(str, cores)), *cmd], stdout=subprocess.DEVNULL, env=env)
     executor = GrpcExpertExecutor(f"unix:{sock}")
     deadline = time.monotonic() + 300
     while not _serving(executor, sock):  # it listens before its weights are loaded

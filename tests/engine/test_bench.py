@@ -55,8 +55,8 @@ def test_split_cores_are_disjoint_and_favour_the_experts():
         split_cores([3])
 
 
-def test_split_bench_pins_disjoint_cores_passes_quant_and_compares_with_embedded(demo_model_dir, capsys,
-                                                                                   monkeypatch):
+@pytest.mark.parametrize("split", ["disjoint", "shared"])
+def test_split_bench_pins_cores_passes_quant_and_compares_with_embedded(demo_model_dir, capsys, monkeypatch, split):
     import os
     import subprocess
 
@@ -66,20 +66,23 @@ def test_split_bench_pins_disjoint_cores_passes_quant_and_compares_with_embedded
     real_popen = subprocess.Popen
 
     def recording_popen(cmd, *a, **kw):
-        started.append(cmd)
+        started.append((cmd, kw.get("env")))
         return real_popen(cmd, *a, **kw)
 
     monkeypatch.setattr(subprocess, "Popen", recording_popen)
     monkeypatch.setenv("TANDEM_DENSE_QUANT", "none")
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     assert main(["bench", "--model", str(demo_model_dir("mixtral")), "--prompt-len", "6", "--gen-len", "3",
-                 "--concurrency", "1", "--device", "cpu", "--mode", "split", "--expert-quant", "int8",
-                 "--no-bandwidth", "--json"]) == 0
+                 "--concurrency", "1", "--device", "cpu", "--mode", "split", "--split-cores", split,
+                 "--expert-quant", "int8", "--no-bandwidth", "--json"]) == 0
     out, err = capsys.readouterr()
     report = json.loads(out)
     attention, experts = report["cores"]["attention"], report["cores"]["experts"]
-    assert attention and experts and not set(attention) & set(experts)
-    [cmd] = started
+    [(cmd, env)] = started
+    if split == "disjoint":
+        assert attention and experts and not set(attention) & set(experts) and env is None
+    else:
+        assert attention == experts == sorted(affinity) and env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert cmd[cmd.index("-c") + 1] == ",".join(map(str, experts))  # taskset pins the experts process
     assert cmd[cmd.index("--expert-quant") + 1] == "int8"
     assert cmd[cmd.index("--threads") + 1] == str(len(experts))
