@@ -185,7 +185,7 @@ def test_generate_flag_quantizes_and_bad_values_exit_2(demo_model_dir, capsys, m
 # seeded prompts (192 teacher-forced positions; measured 97%). Not test_experts_quality's
 # wider-init model: with weights of std 0.2 on a 64-wide model, attention and routing are so sharp
 # that any weight error flips near-ties (there, one int8 projection alone flips 4% of positions,
-# bf16 attention weights 1.6%, all dense int8 ~10%; llama.cpp's Q8_0 blocks of 32 do no better),
+# bf16 attention weights 1.6%, all dense int8 ~10%; llama.cpp's Q8_0 blocks of 32 barely better),
 # which measures that random model, not the format.
 def quality_prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
