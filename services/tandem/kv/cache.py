@@ -45,6 +45,7 @@ class KVCache:
             DEVICE: self._allocate(num_device_blocks, self.device),
             CPU: self._allocate(num_cpu_blocks, torch.device("cpu"), cpu_shm_path),
         }
+        self._layers: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # views, made once
 
     def _allocate(self, num_blocks: int, device: torch.device, shm_path=None) -> dict[str, torch.Tensor]:
         tensors = {}
@@ -60,8 +61,11 @@ class KVCache:
         return next(iter(self.tiers[tier].values())).shape[1]
 
     def layer(self, layer: int, tier: str = DEVICE) -> dict[str, torch.Tensor]:
-        """The tensors of one layer: name -> [blocks, block_size, *entry]."""
-        return {name: t[layer] for name, t in self.tiers[tier].items()}
+        """The tensors of one layer: name -> [blocks, block_size, *entry] (views; every step reuses them)."""
+        views = self._layers.get((layer, tier))
+        if views is None:
+            views = self._layers[(layer, tier)] = {name: t[layer] for name, t in self.tiers[tier].items()}
+        return views
 
     def swap(self, pairs: list[tuple[int, int]], src: str, dst: str) -> None:
         """Copy blocks src_id -> dst_id from tier `src` to tier `dst`, all layers at once."""
