@@ -90,18 +90,7 @@ def add_dense_quant_arg(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(contract.DENSE_QUANT_FLAG, choices=contract.DENSE_QUANTS,
                    help="weight-only quantization of the dense layers: attention, dense MLPs, shared experts, "
-                        f"LM head; routers stay full precision (default: ${contract.DENSE_QUANT_ENV}, else none)")
-
-
-def apply_dense_quant_flag(args) -> None:
-    """Hand `--dense-quant` to the model loader, which reads it from the environment (the engine
-    and server options do not carry it yet); unset leaves the environment's value."""
-    import os
-
-    from tandem import contract
-
-    if getattr(args, "dense_quant", None) is not None:
-        os.environ[contract.DENSE_QUANT_ENV] = args.dense_quant
+                        "LM head; routers stay full precision (default none)", default="none")
 
 
 def cmd_make_demo_model(args) -> int:
@@ -137,12 +126,12 @@ def build_engine(args):
     from tandem.engine.llm_engine import EngineConfig, LLMEngine
     from tandem.model.config import ModelError
 
-    apply_dense_quant_flag(args)
     try:
         config = EngineConfig(block_size=args.block_size, max_model_len=args.max_model_len)
         return LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config,
                                          expert_executor=getattr(args, "expert_executor", None),
-                                         expert_threads=args.threads, expert_quant=args.expert_quant)
+                                         expert_threads=args.threads, expert_quant=args.expert_quant,
+                                         dense_quant=args.dense_quant)
     except (ModelError, ValueError) as e:
         raise UsageError(str(e)) from None
 

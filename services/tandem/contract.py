@@ -61,9 +61,7 @@ EXPERT_QUANTS = ("none", "int8", "int4")
 EXPERTS_METRICS_PORT = 9401
 
 # Weight-only quantization of the dense (non-expert) layers: attention, dense MLPs, shared
-# experts, LM head. A flag of `tandem serve`, `generate` and `bench` that is not in SERVE_FLAGS
-# yet (the operator does not render it); the flag reaches the model loader through the
-# environment variable, which a pod spec can set as well.
+# experts, LM head. A flag of `tandem serve`, `generate` and `bench`, not in SERVE_FLAGS: the
+# operator does not render it (its int8 kernel is a CPU one; the attention container runs on a GPU).
 DENSE_QUANT_FLAG = "--dense-quant"
 DENSE_QUANTS = ("none", "int8")
-DENSE_QUANT_ENV = "TANDEM_DENSE_QUANT"

@@ -70,7 +70,6 @@ def test_split_bench_pins_cores_passes_quant_and_compares_with_embedded(demo_mod
         return real_popen(cmd, *a, **kw)
 
     monkeypatch.setattr(subprocess, "Popen", recording_popen)
-    monkeypatch.setenv("TANDEM_DENSE_QUANT", "none")
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     assert main(["bench", "--model", str(demo_model_dir("mixtral")), "--prompt-len", "6", "--gen-len", "3",
                  "--concurrency", "1", "--device", "cpu", "--mode", "split", "--split-cores", split,

@@ -11,9 +11,7 @@ import torch.nn.functional as F
 from test_experts_quality import engine, teacher_forced_agreement
 from torch import nn
 
-from tandem import contract
 from tandem.experts import native
-from tandem.model.config import ModelError
 from tandem.model.loader import load_model
 from tandem.model.quant_linear import Int8Linear, Int8RowWeight, dense_nbytes, quantize_dense_
 
@@ -152,30 +150,29 @@ def test_none_changes_nothing_and_unknown_modes_are_refused(demo_model_dir):
         quantize_dense_(model, "int3")
 
 
-def test_loader_reads_the_environment_and_the_argument_wins(demo_model_dir, monkeypatch):
+def test_the_loader_quantizes_when_asked(demo_model_dir):
     path = demo_model_dir("mixtral")
-    monkeypatch.setenv(contract.DENSE_QUANT_ENV, "int8")
-    model, _ = load_model(path, device="cpu")
+    model, _ = load_model(path, device="cpu", dense_quant="int8")
     assert isinstance(model.lm_head, Int8Linear)
-    model, _ = load_model(path, device="cpu", dense_quant="none")
+    model, _ = load_model(path, device="cpu")
     assert type(model.lm_head) is nn.Linear
-    monkeypatch.setenv(contract.DENSE_QUANT_ENV, "fp4")
-    with pytest.raises(ModelError, match="TANDEM_DENSE_QUANT='fp4'"):
-        load_model(path, device="cpu")
+    with pytest.raises(ValueError, match="unknown dense quantization 'fp4'"):
+        load_model(path, device="cpu", dense_quant="fp4")
 
 
 def test_generate_flag_quantizes_and_bad_values_exit_2(demo_model_dir, capsys, monkeypatch):
     from tandem.cli import main
+    from tandem.engine import llm_engine
 
-    # set here so monkeypatch removes it afterwards (delenv of an absent variable restores nothing)
-    monkeypatch.setenv(contract.DENSE_QUANT_ENV, "none")
+    asked = []
+    real = llm_engine.load_model
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **kw: (asked.append(kw["dense_quant"]), real(*a, **kw))[1])
     path = str(demo_model_dir("mixtral"))
     argv = ["generate", "--model", path, "--prompt-ids", "5,6,7", "--max-tokens", "3", "--device", "cpu", "--json"]
     assert main(argv + ["--dense-quant", "int8"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
-    import os
-
-    assert os.environ[contract.DENSE_QUANT_ENV] == "int8"  # how the flag reaches the loader
+    assert main(argv) == 0
+    assert asked == ["int8", "none"]  # the flag reaches the loader, and nothing outlives the call
     with pytest.raises(SystemExit) as exc:
         main(argv + ["--dense-quant", "int4"])
     assert exc.value.code == 2

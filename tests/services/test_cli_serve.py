@@ -56,3 +56,11 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, argv, message):
 def test_model_directory_must_exist(tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_dense_quant_reaches_the_options_and_bad_values_exit_2(tmp_path, capsys):
+    assert parse("--model", str(tmp_path)).dense_quant == "none"
+    assert parse("--model", str(tmp_path), contract.DENSE_QUANT_FLAG, "int8").dense_quant == "int8"
+    with pytest.raises(SystemExit) as exc:
+        parse("--model", str(tmp_path), contract.DENSE_QUANT_FLAG, "int3")
+    assert exc.value.code == 2

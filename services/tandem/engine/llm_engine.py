@@ -103,7 +103,7 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device=None, dtype=None, config: EngineConfig | None = None,
                         expert_executor: ExpertExecutor | None = None, expert_threads: int | None = None,
-                        expert_quant: str = "none", dense_quant: str | None = None) -> "LLMEngine":
+                        expert_quant: str = "none", dense_quant: str = "none") -> "LLMEngine":
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for, but no CUDA device is available")

@@ -7,7 +7,6 @@ other tensor goes into the model on the compute device.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from collections import defaultdict
@@ -17,7 +16,6 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from tandem import contract
 from tandem.experts.base import ExpertExecutor, ExpertWeights
 from tandem.model.config import ModelConfig, ModelError, load_config
 from tandem.model.fp8 import dequantize_stream
@@ -133,11 +131,10 @@ def _model_key(name: str) -> str:
 
 def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype=None,
                executor: ExpertExecutor | None = None, expert_threads: int | None = None,
-               expert_quant: str = "none", dense_quant: str | None = None) -> tuple[CausalLM, ExpertExecutor | None]:
+               expert_quant: str = "none", dense_quant: str = "none") -> tuple[CausalLM, ExpertExecutor | None]:
     """Build the model on `device`. Without an executor, the routed experts load into an in-process one.
 
-    dense_quant: "none" or "int8" for every dense linear layer (`tandem.model.quant_linear`);
-    None takes $TANDEM_DENSE_QUANT (how `--dense-quant` reaches here through the engine), else "none".
+    dense_quant: "none" or "int8" for every dense linear layer (`tandem.model.quant_linear`).
     """
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
@@ -176,17 +173,8 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
             if hasattr(layer.mlp, "executor"):
                 layer.mlp.executor = executor
     model.eval()
-    quantize_dense_(model, _dense_quant_mode(dense_quant))
+    quantize_dense_(model, dense_quant)
     return model, executor
-
-
-def _dense_quant_mode(dense_quant: str | None) -> str:
-    if dense_quant is not None:
-        return dense_quant
-    mode = os.environ.get(contract.DENSE_QUANT_ENV, "none")
-    if mode not in contract.DENSE_QUANTS:
-        raise ModelError(f"${contract.DENSE_QUANT_ENV}={mode!r}: choose one of {', '.join(contract.DENSE_QUANTS)}")
-    return mode
 
 
 def _keep_float32(model: torch.nn.Module) -> None:

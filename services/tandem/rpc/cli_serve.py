@@ -76,7 +76,7 @@ def options_from_args(args):
         experts=args.experts, kv_shm=args.kv_shm, device=args.device, dtype=args.dtype, threads=args.threads,
         block_size=args.block_size, gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib,
         num_device_blocks=args.num_device_blocks, cpu_decode=args.cpu_decode,
-        expert_quant=args.expert_quant, max_num_seqs=args.max_num_seqs,
+        expert_quant=args.expert_quant, dense_quant=args.dense_quant, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout)
 
@@ -85,7 +85,7 @@ def run_serve(args) -> int:
     """Runs `tandem serve` until SIGTERM/SIGINT; returns the exit status."""
     from pathlib import Path
 
-    from tandem.cli import UsageError, apply_dense_quant_flag
+    from tandem.cli import UsageError
     from tandem.rpc.server import serve
 
     try:
@@ -94,7 +94,6 @@ def run_serve(args) -> int:
         raise UsageError(str(exc)) from None
     if not (Path(opts.model) / "config.json").is_file():
         raise UsageError(f"--model: {opts.model} is not a checkpoint directory (no config.json)")
-    apply_dense_quant_flag(args)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve(opts))

@@ -62,7 +62,7 @@ def load_embedded(opts, metrics: ServingMetrics) -> LLMEngine:
     """`--role all`: the whole model in this process, routed experts on the in-process executor."""
     engine = LLMEngine.from_pretrained(
         opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts),
-        expert_threads=opts.threads, expert_quant=opts.expert_quant)
+        expert_threads=opts.threads, expert_quant=opts.expert_quant, dense_quant=opts.dense_quant)
     _time_expert_calls(engine.model, metrics)
     engine.runner.cpu_attention = TimedCpuAttention(engine.runner.cpu_attention, metrics.cpu_attention_latency)
     return engine
@@ -109,7 +109,8 @@ def load_attention(opts, client: GrpcExpertExecutor) -> LLMEngine:
     With a shared CPU KV tier (--kv-shm), the experts process also computes the attention of the
     sequences offloaded there, on its cores and next to that memory."""
     engine = LLMEngine.from_pretrained(
-        opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts), expert_executor=client)
+        opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts), expert_executor=client,
+        dense_quant=opts.dense_quant)
     if opts.kv_shm:
         engine.runner.cpu_attention = RemoteCpuAttention(client)
     return engine

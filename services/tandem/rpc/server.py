@@ -57,6 +57,7 @@ class ServeOptions:
     num_device_blocks: int | None = None  # None: sized from the device's memory
     cpu_decode: bool = True
     expert_quant: str = "none"
+    dense_quant: str = "none"  # the attention side's dense layers (tandem.model.quant_linear)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -76,6 +77,8 @@ class ServeOptions:
             raise ValueError(f"--experts is only for --role attention, not --role {self.role}")
         if self.expert_quant not in contract.EXPERT_QUANTS:
             raise ValueError(f"--expert-quant must be one of {', '.join(contract.EXPERT_QUANTS)}")
+        if self.dense_quant not in contract.DENSE_QUANTS:
+            raise ValueError(f"--dense-quant must be one of {', '.join(contract.DENSE_QUANTS)}")
         if self.num_device_blocks is not None and self.num_device_blocks < 1:
             raise ValueError(f"--num-device-blocks must be at least 1, got {self.num_device_blocks}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
