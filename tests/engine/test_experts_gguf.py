@@ -3,6 +3,7 @@ random checkpoint) into the executor's int8 format."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -12,7 +13,6 @@ from tandem.experts.factory import make_expert_executor
 from tandem.experts.gguf_q8 import load_q8_0_experts, q8_0_to_int8
 from tandem.experts.torch_executor import TorchExpertExecutor
 
-gguf = pytest.importorskip("gguf")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 E, H, I, K = 4, 128, 96, 2
 
