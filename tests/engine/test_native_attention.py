@@ -69,6 +69,12 @@ def test_float32_decode_steps_take_the_kernel_and_the_rest_the_torch_path(kernel
     paged_attention(torch.randn(2, 4, 16), k, v, decode, 0.25)
     paged_attention(torch.randn(2, 4, 16, dtype=torch.bfloat16), k.bfloat16(), v.bfloat16(), decode, 0.25)
     assert calls == [torch.float32]
+    paged_attention(torch.randn(2, 4, 16, dtype=torch.bfloat16), k.bfloat16(), v.bfloat16(), decode, 0.25,
+                    native_any_dtype=True)  # the CPU tier's attention: no transformers run to track
+    assert calls == [torch.float32, torch.bfloat16]
+    # 34 query heads on 2 KV heads: GEMM-shaped, as MLA's 128 on 1; the torch path takes it.
+    paged_attention(torch.randn(2, 34, 16), k, v, decode, 0.25)
+    assert len(calls) == 2
 
 
 def test_prefill_chunks_take_the_torch_path(kernel, monkeypatch):

@@ -61,15 +61,16 @@ def attend_cpu_tier(tensors: dict[str, torch.Tensor], query: torch.Tensor, meta:
     head shared by all query heads, whose first `value_dim` numbers are also the value; the
     caller sends queries already absorbed into the latent space and gets [T, heads, value_dim].
     """
+    # No transformers run to track here: the native kernel serves every dtype it takes.
     if "k" in tensors and "v" in tensors:
-        return paged_attention(query, tensors["k"], tensors["v"], meta, scale)
+        return paged_attention(query, tensors["k"], tensors["v"], meta, scale, native_any_dtype=True)
     if len(tensors) != 1:
         raise ValueError(f"a CPU KV tier has entries 'k' and 'v', or a single latent; got {sorted(tensors)}")
     (latent,) = tensors.values()
     if not 0 < value_dim <= latent.shape[-1]:
         raise ValueError(f"value_dim must be in [1, {latent.shape[-1]}] for a latent cache, got {value_dim}")
     keys = latent[:, :, None]  # [blocks, block_size, 1, W]: one shared head
-    return paged_attention(query, keys, keys[..., :value_dim], meta, scale)
+    return paged_attention(query, keys, keys[..., :value_dim], meta, scale, native_any_dtype=True)
 
 
 class LocalCpuAttention:
