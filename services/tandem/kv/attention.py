@@ -122,17 +122,30 @@ def sdpa_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     qp = (q[:, None] if decode_only else q[meta.query_index]).transpose(1, 2)  # [B, H, Qmax, D]
     k = gather_kv(k_cache, meta.block_tables).transpose(1, 2)  # [B, Hkv, L, D]
     v = gather_kv(v_cache, meta.block_tables).transpose(1, 2)  # [B, Hkv, L, Dv]
-    b, heads, q_max = qp.shape[:3]
+    heads = qp.shape[1]
     if k.shape[1] == 1 and heads > 1:
-        # One KV head for all (MLA's latent), with a value narrower than the key: SDPA would take its
-        # math path and copy the keys once per head. Two batched GEMMs against the shared head instead.
-        scores = torch.bmm(qp.reshape(b, heads * q_max, -1), k[:, 0].transpose(1, 2)) * scale  # [B, H*Q, L]
-        scores = scores.view(b, heads, q_max, -1).masked_fill(~meta.mask, float("-inf"))
-        probs = scores.float().softmax(dim=-1).to(v.dtype)  # [B, H, Q, L]
-        out = torch.bmm(probs.view(b, heads * q_max, -1), v[:, 0]).view(b, heads, q_max, -1)  # [B, H, Q, Dv]
+        out = shared_kv_head_attention(qp, k, v, meta.mask, scale)  # [B, H, Qmax, Dv]
     else:
         # Query head h reads KV head h // (H / Hkv); SDPA groups heads without copying K and V per head.
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask, scale=scale,
                                              enable_gqa=k.shape[1] != heads)  # [B, H, Qmax, Dv]
     out = out.transpose(1, 2)  # [B, Qmax, H, Dv]
     return out[:, 0] if decode_only else out[meta.query_valid]  # [T, H, Dv] in sequence order
+
+
+def shared_kv_head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Attention of every query head against one shared KV head: q [B, H, Q, D], k [B, 1, L, D],
+    v [B, 1, L, Dv] (may be a view narrower than k: MLA's latent), mask [B, 1, Q, L] -> [B, H, Q, Dv].
+
+    Two batched GEMMs against the shared head. SDPA would take its math path here (the value is
+    narrower than the key) and copy the keys once per head: 1.2 GB a layer for DeepSeek-V3's 128
+    heads at 4096 tokens.
+    """
+    b, heads, q_len = q.shape[:3]
+    # float32 throughout (a no-op for float32 models): bf16 products would round the scores twice.
+    scores = torch.bmm(q.reshape(b, heads * q_len, -1).float(), k[:, 0].transpose(1, 2).float())  # [B, H*Q, L]
+    scores = (scores * scale).view(b, heads, q_len, -1).masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)  # [B, H, Q, L]
+    out = torch.bmm(probs.view(b, heads * q_len, -1), v[:, 0].float())  # [B, H*Q, Dv]
+    return out.view(b, heads, q_len, -1).to(v.dtype)  # [B, H, Q, Dv]

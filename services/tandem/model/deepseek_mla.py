@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.kv.attention import AttentionMetadata, gather_kv
+from tandem.kv.attention import AttentionMetadata, gather_kv, shared_kv_head_attention
 from tandem.model.deepseek_config import MlaDims
 
 
@@ -74,14 +74,10 @@ def unabsorb_output(latent_out: torch.Tensor, kv_b_weight: torch.Tensor, dims: M
 
 def absorbed_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:
     """Attention against the latent itself: one shared key/value head of width r + rope / r."""
-    h = q_nope.shape[1]
     q = absorb_query(q_nope, q_pe, kv_b_weight, dims)[meta.query_index].transpose(1, 2)  # [B, H, Q, r + rope]
-    latent = gather_kv(cache, meta.block_tables)[:, None]  # [B, 1, L, r + rope]
-    b, _, length, width = latent.shape
-    keys = latent.expand(b, h, length, width)  # [B, H, L, r + rope], no copy
-    values = keys[..., : dims.kv_lora_rank]  # [B, H, L, r]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask,
-                                         scale=dims.softmax_scale)  # [B, H, Q, r]
+    latent = gather_kv(cache, meta.block_tables)[:, None]  # [B, 1, L, r + rope]: one KV head for all
+    out = shared_kv_head_attention(q, latent, latent[..., : dims.kv_lora_rank], meta.mask,
+                                   dims.softmax_scale)  # [B, H, Q, r]
     out = out.transpose(1, 2)[meta.query_valid]  # [t, H, r]
     return unabsorb_output(out, kv_b_weight, dims)  # [t, H, v]
 
