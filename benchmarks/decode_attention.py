@@ -1,13 +1,16 @@
 """Paged decode attention on the CPU: the native kernel against the torch path it replaced.
 
     python benchmarks/decode_attention.py [--contexts 64,512,4096] [--heads 32] [--kv-heads 8] [--head-dim 128]
-                                          [--threads 2] [--batch 1] [--json out.json]
+                                          [--value-dim D] [--threads 2] [--batch 1] [--json out.json]
+    # DeepSeek-V3's latent cache: 128 absorbed query heads on one 576-wide entry, value its first 512
+    python benchmarks/decode_attention.py --heads 128 --kv-heads 1 --head-dim 576 --value-dim 512
 
 One decode query per sequence over a shuffled block table (block size 16), float32, as an
 offloaded long-context sequence meets it on the CPU tier. `torch` is `sdpa_paged_attention`
-(gather the blocks into a contiguous copy, then SDPA); `native` is torch.ops.tandem.
-paged_decode_attention (reads K and V in place). Also prints the KV bytes each call must read
-and the GB/s that makes.
+(gather the blocks into a contiguous copy, then SDPA, or two batched GEMMs when all query heads
+share one KV head); `native` is torch.ops.tandem.paged_decode_attention (reads K and V in
+place). `paged_attention` picks native up to 16 query heads per KV head. Also prints the KV bytes
+each call must read and the GB/s that makes.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--value-dim", type=int, help="narrower values as a view of the keys (a latent cache)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json")
@@ -54,13 +58,13 @@ def main() -> None:
         perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()
         tables = [perm[i * per_seq:(i + 1) * per_seq] for i in range(args.batch)]
         k = torch.randn(blocks, BS, args.kv_heads, args.head_dim)
-        v = torch.randn(blocks, BS, args.kv_heads, args.head_dim)
+        v = k[..., :args.value_dim] if args.value_dim else torch.randn(blocks, BS, args.kv_heads, args.head_dim)
         q = torch.randn(args.batch, args.heads, args.head_dim)
         meta = AttentionMetadata.build([ctx - 1] * args.batch, [1] * args.batch, tables, BS, torch.device("cpu"))
         reps = max(5, 20000 // ctx)
         t_torch = timed(lambda: sdpa_paged_attention(q, k, v, meta, 0.1), reps)
         t_native = timed(lambda: kernel(q, k, v, meta.block_tables, meta.seq_lens, 0.1, 0), reps)
-        kv_bytes = 2 * args.batch * ctx * args.kv_heads * args.head_dim * 4
+        kv_bytes = (1 if args.value_dim else 2) * args.batch * ctx * args.kv_heads * args.head_dim * 4
         row = {"context": ctx, "torch_us": t_torch * 1e6, "native_us": t_native * 1e6, "speedup": t_torch / t_native,
                "kv_mb": kv_bytes / 1e6, "native_gb_s": kv_bytes / t_native / 1e9}
         rows.append(row)
