@@ -112,7 +112,7 @@ async def test_the_data_plane_answers_forward_as_grpc_does(experts, tmp_path):
         assert torch.equal(over_wire, local.forward(1, hidden, ids, weights))
     hidden, ids, weights = batch()
     for args, name in [((7, hidden, ids, weights), "layer"), ((0, hidden[:, :32], ids, weights), "hidden"),
-                       ((0, hidden, ids + 8, weights), "topk_ids"), ((0, hidden, ids, weights[:, :1]), "topk_ids")]:
+                       ((0, hidden, ids + 8, weights), "topk_ids"), ((0, hidden, ids, weights[:, :1]), "topk_weights")]:
         with pytest.raises(RuntimeError, match=f"INVALID_ARGUMENT: {name}:"):
             await asyncio.to_thread(fast.forward, *args)
     # the connection survives bad requests

@@ -22,7 +22,8 @@ import struct
 
 import torch
 
-from tandem.rpc.tensors import BadTensor
+from tandem.rpc.experts_server import check_forward_tensors
+from tandem.rpc.tensors import BadTensor, tensor_bytes, tensor_from_bytes
 
 REQUEST = struct.Struct("<4sIIIII")  # magic, dtype code, layer, tokens, hidden size, top_k
 RESPONSE = struct.Struct("<4sII")  # magic, status, payload bytes
@@ -61,15 +62,13 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
 def send_request(sock: socket.socket, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> None:
     """Raises BadTensor, sending nothing, for tensors whose shapes the header cannot describe."""
-    if hidden.dtype not in DTYPE_CODES or hidden.dim() != 2:
-        raise BadTensor("hidden", f"must be [T, H] float32, bfloat16 or float16, got {hidden.dtype} "
-                        f"{list(hidden.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
-        raise BadTensor("topk_ids", f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} "
-                        f"must both be [T={hidden.shape[0]}, k]")
+    check_forward_tensors(hidden, topk_ids, topk_weights)
+    if hidden.dtype not in DTYPE_CODES:
+        raise BadTensor("hidden", f"must be float32, bfloat16 or float16, got {hidden.dtype}")
     tokens, size = hidden.shape
     header = REQUEST.pack(REQUEST_MAGIC, DTYPE_CODES[hidden.dtype], layer, tokens, size, topk_ids.shape[1])
-    sock.sendall(header + _bytes(hidden) + _bytes(topk_ids.to(torch.int64)) + _bytes(topk_weights.to(torch.float32)))
+    ids, weights = topk_ids.to(torch.int64), topk_weights.to(torch.float32)
+    sock.sendall(header + tensor_bytes(hidden) + tensor_bytes(ids) + tensor_bytes(weights))
 
 
 def recv_request(sock: socket.socket) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,14 +80,14 @@ def recv_request(sock: socket.socket) -> tuple[int, torch.Tensor, torch.Tensor, 
     itemsize = torch.empty((), dtype=dtype).element_size()
     if tokens * (size * itemsize + top_k * 12) > MAX_FRAME_BYTES:
         raise WireError(f"a frame of {tokens} tokens x {size} is larger than {MAX_FRAME_BYTES} bytes")
-    hidden = _tensor(recv_exact(sock, tokens * size * itemsize), dtype, (tokens, size))
-    ids = _tensor(recv_exact(sock, tokens * top_k * 8), torch.int64, (tokens, top_k))
-    weights = _tensor(recv_exact(sock, tokens * top_k * 4), torch.float32, (tokens, top_k))
+    hidden = tensor_from_bytes(recv_exact(sock, tokens * size * itemsize), dtype, (tokens, size))
+    ids = tensor_from_bytes(recv_exact(sock, tokens * top_k * 8), torch.int64, (tokens, top_k))
+    weights = tensor_from_bytes(recv_exact(sock, tokens * top_k * 4), torch.float32, (tokens, top_k))
     return layer, hidden, ids, weights
 
 
 def send_response(sock: socket.socket, status: int, payload: torch.Tensor | str) -> None:
-    data = payload.encode() if isinstance(payload, str) else _bytes(payload)
+    data = payload.encode() if isinstance(payload, str) else tensor_bytes(payload)
     sock.sendall(RESPONSE.pack(RESPONSE_MAGIC, status, len(data)) + data)
 
 
@@ -103,15 +102,4 @@ def recv_response(sock: socket.socket, dtype: torch.dtype, shape: tuple[int, int
     expected = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
     if length != expected:
         raise WireError(f"response of {length} bytes, expected {expected} for {list(shape)} {dtype}")
-    return OK, _tensor(data, dtype, shape)
-
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    t = tensor.detach().to("cpu").contiguous()
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def _tensor(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype).reshape(shape)  # owns `data`: a fresh bytearray
+    return OK, tensor_from_bytes(data, dtype, shape)

@@ -16,34 +16,38 @@ from tandem.rpc.gen import experts_pb2, experts_pb2_grpc
 from tandem.rpc.tensors import BadTensor, from_proto, to_proto
 
 
+def check_forward_tensors(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """The shapes a Forward's tensors must have, whichever transport carries them (gRPC, or the data
+    plane, whose frame header cannot describe anything else); BadTensor names the field."""
+    if hidden.dim() != 2 or not hidden.is_floating_point():
+        raise BadTensor("hidden", f"must be a 2-D float tensor [T, H], got {hidden.dtype} {list(hidden.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise BadTensor("topk_ids", f"must be [T={hidden.shape[0]}, k], got {list(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise BadTensor("topk_weights", f"must be {list(topk_ids.shape)} as topk_ids, got {list(topk_weights.shape)}")
+
+
 def decode_forward_request(request: experts_pb2.ExpertForwardRequest):
-    """(hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32), checked; BadTensor otherwise."""
+    """(hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32), decoded; BadTensor for
+    undecodable tensors or wrong index/weight dtypes (shapes: `check_forward`)."""
     hidden = from_proto(request.hidden, "hidden")
     topk_ids = from_proto(request.topk_ids, "topk_ids")
     topk_weights = from_proto(request.topk_weights, "topk_weights")
-    if hidden.dim() != 2 or not hidden.is_floating_point():
-        raise BadTensor("hidden", f"must be a 2-D float tensor [T, H], got {hidden.dtype} {list(hidden.shape)}")
-    if topk_ids.dtype != torch.int64 or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
-        raise BadTensor("topk_ids", f"must be int64 [T={hidden.shape[0]}, k], got {topk_ids.dtype} "
-                        f"{list(topk_ids.shape)}")
-    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
-        raise BadTensor("topk_weights", f"must be float32 {list(topk_ids.shape)}, got "
-                        f"{topk_weights.dtype} {list(topk_weights.shape)}")
+    if topk_ids.dtype != torch.int64:
+        raise BadTensor("topk_ids", f"must be int64, got {topk_ids.dtype}")
+    if topk_weights.dtype != torch.float32:
+        raise BadTensor("topk_weights", f"must be float32, got {topk_weights.dtype}")
     return hidden, topk_ids, topk_weights
 
 
 def check_forward(info: experts_pb2.ExpertsInfo, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor) -> None:
-    """What a Forward must satisfy beyond its tensors' own shapes; BadTensor names the field."""
+    """Everything a Forward must satisfy for this model; BadTensor names the field."""
     if layer not in info.moe_layers:
         raise BadTensor("layer", f"{layer} has no routed experts here (MoE layers: {list(info.moe_layers)})")
-    if hidden.dim() != 2 or not hidden.is_floating_point():
-        raise BadTensor("hidden", f"must be a 2-D float tensor [T, H], got {hidden.dtype} {list(hidden.shape)}")
+    check_forward_tensors(hidden, topk_ids, topk_weights)
     if hidden.shape[1] != info.hidden_size:
         raise BadTensor("hidden", f"hidden size {hidden.shape[1]}, this model has {info.hidden_size}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
-        raise BadTensor("topk_ids", f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} "
-                        f"must both be [T={hidden.shape[0]}, k]")
     if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < info.num_experts:
         raise BadTensor("topk_ids", f"expert ids must be in [0, {info.num_experts})")
 

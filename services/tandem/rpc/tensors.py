@@ -30,9 +30,7 @@ def to_proto(tensor: torch.Tensor) -> experts_pb2.Tensor:
     """Encodes a tensor (any device) as C-order bytes; the byte order is the host's (little-endian)."""
     if tensor.dtype not in _NAMES:
         raise ValueError(f"cannot send a {tensor.dtype} tensor; supported: {sorted(DTYPES)}")
-    t = tensor.detach().to("cpu").contiguous()
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return experts_pb2.Tensor(dtype=_NAMES[t.dtype], shape=list(t.shape), data=data)
+    return experts_pb2.Tensor(dtype=_NAMES[tensor.dtype], shape=list(tensor.shape), data=tensor_bytes(tensor))
 
 
 def from_proto(msg: experts_pb2.Tensor, field_name: str = "tensor") -> torch.Tensor:
@@ -49,7 +47,18 @@ def from_proto(msg: experts_pb2.Tensor, field_name: str = "tensor") -> torch.Ten
         raise BadTensor(
             field_name, f"{len(msg.data)} bytes of data for shape {list(shape)} {msg.dtype} "
             f"(expected {expected})")
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
     # bytearray: torch.frombuffer wants a writable buffer, and the result must own its memory.
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+    return tensor_from_bytes(bytearray(msg.data), dtype, shape)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor (any device) as C-order bytes in the host's byte order (little-endian)."""
+    t = tensor.detach().to("cpu").contiguous()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def tensor_from_bytes(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A CPU tensor over `data` (a fresh bytearray it keeps: no copy), which must hold exactly its bytes."""
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
