@@ -13,6 +13,7 @@ contiguous slice: [0, num_device_tokens) and [num_device_tokens, T).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -126,8 +127,15 @@ class StepAttention:
         out = self.cpu_attention(kv.index, query.to(CPU_DEVICE), self.cpu, scale, value_dim)
         return out.to(query.device)
 
-    def join(self, device_part: torch.Tensor | None, cpu_part: torch.Tensor | None) -> torch.Tensor:
-        """The two tiers' outputs back in token order."""
-        if device_part is None or cpu_part is None:
-            return cpu_part if device_part is None else device_part
-        return torch.cat((device_part, cpu_part))
+    def attend(self, on_device: Callable[[slice], torch.Tensor],
+               on_cpu: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+        """Each tier's share of a layer's attention, back in token order: `on_device(rows)` for the
+        device-tier tokens (over `self.device`), `on_cpu(rows)` for the CPU-tier ones (usually
+        through `attend_cpu`); `rows` slices the step's T tokens. Tiers with no tokens are skipped."""
+        n = self.num_device_tokens
+        parts = []
+        if self.device is not None:
+            parts.append(on_device(slice(0, n)))
+        if self.cpu is not None:
+            parts.append(on_cpu(slice(n, None)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -40,11 +40,7 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         step.write(kv, {"k": k, "v": v})
-        n = step.num_device_tokens
-        on_device = on_cpu = None
-        if step.device is not None:
-            on_device = paged_attention(q[:n], kv.device["k"], kv.device["v"], step.device, self.scale)  # [Td, H, D]
-        if step.cpu is not None:
-            on_cpu = step.attend_cpu(kv, q[n:], self.scale)  # [Tc, H, D]
-        out = step.join(on_device, on_cpu)  # [T, H, D]
+        out = step.attend(  # [T, H, D]
+            lambda rows: paged_attention(q[rows], kv.device["k"], kv.device["v"], step.device, self.scale),
+            lambda rows: step.attend_cpu(kv, q[rows], self.scale))
         return self.o_proj(out.reshape(t, -1))  # [T, hidden]

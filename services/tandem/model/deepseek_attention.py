@@ -63,18 +63,19 @@ class MlaAttention(nn.Module):
         q_pe = self.rope(q_pe, cos, sin)  # [T, H, rope]
         k_pe = self.rope(k_pe[:, None], cos, sin)[:, 0]  # [T, rope]
         step.write(kv, {LATENT: torch.cat((c, k_pe), dim=-1)})  # [T, r + rope]
-        n, w = step.num_device_tokens, self.kv_b_proj.weight
-        on_device = on_cpu = None
-        if step.device is not None:
-            on_device = paged_latent_attention(q_nope[:n], q_pe[:n], kv.device[LATENT], step.device, w, d)  # [Td, H, v]
-        if step.cpu is not None:
-            # The CPU side holds no weights: it attends in the latent space (absorbed form) and
-            # the value projection W_uv is applied here.
-            q_lat = absorb_query(q_nope[n:], q_pe[n:], w, d)  # [Tc, H, r + rope]
-            latent_out = step.attend_cpu(kv, q_lat, d.softmax_scale, value_dim=d.kv_lora_rank)  # [Tc, H, r]
-            on_cpu = unabsorb_output(latent_out, w, d)  # [Tc, H, v]
-        out = step.join(on_device, on_cpu)  # [T, H, v]
+        w = self.kv_b_proj.weight
+        out = step.attend(  # [T, H, v]
+            lambda rows: paged_latent_attention(q_nope[rows], q_pe[rows], kv.device[LATENT], step.device, w, d),
+            lambda rows: self._cpu_tier_attention(q_nope[rows], q_pe[rows], kv, step))
         return self.o_proj(out.reshape(t, -1))  # [T, hidden]
+
+    def _cpu_tier_attention(self, q_nope, q_pe, kv: LayerKV, step: StepAttention) -> torch.Tensor:
+        # The CPU side holds no weights: it attends in the latent space (absorbed form) and the
+        # value projection W_uv is applied here.
+        d, w = self.dims, self.kv_b_proj.weight
+        q_lat = absorb_query(q_nope, q_pe, w, d)  # [Tc, H, r + rope]
+        latent_out = step.attend_cpu(kv, q_lat, d.softmax_scale, value_dim=d.kv_lora_rank)  # [Tc, H, r]
+        return unabsorb_output(latent_out, w, d)  # [Tc, H, v]
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.dims.q_lora_rank is None:
