@@ -19,30 +19,23 @@ from tandem.rpc.gen import experts_pb2
 log = logging.getLogger(__name__)
 
 
+def timed(fn, histogram):
+    """`fn`, observing each successful call's seconds in `histogram`: in-process work timed the way
+    the gRPC clients time the same work done remotely."""
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        histogram.observe(time.perf_counter() - start)
+        return out
+    return call
+
+
 class TimedExpertExecutor:
-    """Wraps an in-process executor to observe each call's latency (what the gRPC client does remotely)."""
+    """An in-process executor whose forward calls are timed (what the gRPC client does remotely)."""
 
     def __init__(self, inner, histogram):
-        self.inner, self.histogram = inner, histogram
-
-    def forward(self, layer, hidden, topk_ids, topk_weights):
-        start = time.perf_counter()
-        out = self.inner.forward(layer, hidden, topk_ids, topk_weights)
-        self.histogram.observe(time.perf_counter() - start)
-        return out
-
-
-class TimedCpuAttention:
-    """Wraps the in-process CPU attention to observe each call's latency (the gRPC client's job when remote)."""
-
-    def __init__(self, inner, histogram):
-        self.inner, self.histogram = inner, histogram
-
-    def __call__(self, layer, query, batch, scale, value_dim=0):
-        start = time.perf_counter()
-        out = self.inner(layer, query, batch, scale, value_dim)
-        self.histogram.observe(time.perf_counter() - start)
-        return out
+        self.inner = inner
+        self.forward = timed(inner.forward, histogram)
 
 
 def engine_config(opts) -> EngineConfig:
@@ -64,7 +57,7 @@ def load_embedded(opts, metrics: ServingMetrics) -> LLMEngine:
         opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts),
         expert_threads=opts.threads, expert_quant=opts.expert_quant, dense_quant=opts.dense_quant)
     _time_expert_calls(engine.model, metrics)
-    engine.runner.cpu_attention = TimedCpuAttention(engine.runner.cpu_attention, metrics.cpu_attention_latency)
+    engine.runner.cpu_attention = timed(engine.runner.cpu_attention, metrics.cpu_attention_latency)
     return engine
 
 
