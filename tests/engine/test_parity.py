@@ -44,16 +44,21 @@ def prompt_for(seed: int, length: int, vocab: int = 300) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_tokens_and_logits_match_transformers_float32(arch, demo_model_dir):
-    model_dir = demo_model_dir(arch, initializer_range=0.2)
+def assert_float32_matches(model_dir, name: str, new_tokens: int = NEW_TOKENS):
+    """Greedy tokens identical to transformers' and every step's logits within 1e-4; returns the engine."""
     prompt = prompt_for(1, 11)
-    ref_tokens, ref_logits = hf_greedy(model_dir, prompt, NEW_TOKENS)
-    [tokens], [logits], _ = tandem_greedy(model_dir, [prompt], NEW_TOKENS)
+    ref_tokens, ref_logits = hf_greedy(model_dir, prompt, new_tokens)
+    [tokens], [logits], engine = tandem_greedy(model_dir, [prompt], new_tokens)
     assert tokens == ref_tokens
     assert len(set(tokens)) > 3, "degenerate checkpoint: generation should not be one repeated token"
     diff = (logits - ref_logits).abs().max().item()
-    assert diff <= 1e-4, f"{arch}: max abs logit diff {diff:.2e}"
+    assert diff <= 1e-4, f"{name}: max abs logit diff {diff:.2e}"
+    return engine
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_and_logits_match_transformers_float32(arch, demo_model_dir):
+    assert_float32_matches(demo_model_dir(arch, initializer_range=0.2), arch)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
