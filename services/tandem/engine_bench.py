@@ -28,8 +28,12 @@ class ExpertTraffic:
         self.bytes = 0
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
-        self.bytes += int(torch.unique(topk_ids).numel()) * self.bytes_per_expert.get(layer, 0)
+        self.observe(layer, topk_ids, 0.0)
         return self.inner.forward(layer, hidden, topk_ids, topk_weights)
+
+    def observe(self, layer, topk_ids, seconds: float) -> None:
+        """Count a call, also one the native decode path made directly (tandem.model.native_decode)."""
+        self.bytes += int(torch.unique(topk_ids).numel()) * self.bytes_per_expert.get(layer, 0)
 
 
 def dense_weight_bytes(model) -> int:

@@ -30,8 +30,9 @@ def hf_greedy(model_dir, prompt, n, dtype=torch.float32):
     return tokens, logits
 
 
-def tandem_greedy(model_dir, prompts, n, dtype="float32", config=None):
+def tandem_greedy(model_dir, prompts, n, dtype="float32", config=None, native_decode=True):
     engine = LLMEngine.from_pretrained(model_dir, device="cpu", dtype=dtype, config=config or EngineConfig())
+    engine.model.native_decode = native_decode
     logits = {}
     engine.runner.logits_hook = lambda rid, row: logits.setdefault(rid, []).append(row.clone())
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -44,11 +45,11 @@ def prompt_for(seed: int, length: int, vocab: int = 300) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=g).tolist()
 
 
-def assert_float32_matches(model_dir, name: str, new_tokens: int = NEW_TOKENS):
+def assert_float32_matches(model_dir, name: str, new_tokens: int = NEW_TOKENS, native_decode: bool = True):
     """Greedy tokens identical to transformers' and every step's logits within 1e-4; returns the engine."""
     prompt = prompt_for(1, 11)
     ref_tokens, ref_logits = hf_greedy(model_dir, prompt, new_tokens)
-    [tokens], [logits], engine = tandem_greedy(model_dir, [prompt], new_tokens)
+    [tokens], [logits], engine = tandem_greedy(model_dir, [prompt], new_tokens, native_decode=native_decode)
     assert tokens == ref_tokens
     assert len(set(tokens)) > 3, "degenerate checkpoint: generation should not be one repeated token"
     diff = (logits - ref_logits).abs().max().item()
@@ -56,9 +57,31 @@ def assert_float32_matches(model_dir, name: str, new_tokens: int = NEW_TOKENS):
     return engine
 
 
+# Architectures whose CPU decode steps run the native decode layer (tandem.model.native_decode).
+NATIVE_DECODE_ARCHS = {"mixtral", "qwen3_moe"}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_and_logits_match_transformers_float32(arch, demo_model_dir):
-    assert_float32_matches(demo_model_dir(arch, initializer_range=0.2), arch)
+    engine = assert_float32_matches(demo_model_dir(arch, initializer_range=0.2), arch)
+    path = engine.model.native_path
+    if arch in NATIVE_DECODE_ARCHS:  # every decode step after the prefill took the native path
+        assert path is not None and path.steps == NEW_TOKENS - 1
+    else:
+        assert path is None
+
+
+@pytest.mark.parametrize("arch", sorted(NATIVE_DECODE_ARCHS))
+def test_torch_decode_path_matches_transformers_float32(arch, demo_model_dir):
+    # The path the native one replaces still serves everything it cannot take (CUDA, bf16, MLA, ...).
+    engine = assert_float32_matches(demo_model_dir(arch, initializer_range=0.2), arch, native_decode=False)
+    assert engine.model.native_path is None
+
+
+def test_sliding_window_matches_transformers_float32(demo_model_dir):
+    # A window shorter than the generation: the native kernel and transformers' mask both drop old keys.
+    engine = assert_float32_matches(demo_model_dir("mixtral", initializer_range=0.2, sliding_window=8), "mixtral")
+    assert engine.model.native_path.steps == NEW_TOKENS - 1
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

@@ -15,6 +15,7 @@ from tandem.model.deepseek_attention import MlaAttention
 from tandem.model.deepseek_moe import DeepseekMoe
 from tandem.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from tandem.model.moe import SparseMoe
+from tandem.model import native_decode
 
 # Per architecture: (attention class, sparse MoE block class); others use (Attention, SparseMoe).
 _BLOCKS = {"DeepseekV3ForCausalLM": (MlaAttention, DeepseekMoe)}
@@ -55,6 +56,9 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # CPU decode steps through native code (`tandem.model.native_decode`); False: torch only.
+        self.native_decode = True
+        self._native: tuple[tuple, native_decode.NativeDecode | None] | None = None  # (built from, path)
 
     def kv_entries(self):
         return blocks_for(self.cfg)[0].kv_entries(self.cfg)
@@ -67,9 +71,27 @@ class CausalLM(nn.Module):
         Tokens come device-tier sequences first, then CPU-tier ones (see `tandem.kv.tiered`)."""
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, LayerKV.of(cache, i), step)
+        kv = [LayerKV.of(cache, i) for i in range(len(self.model.layers))]
+        fused = self._native_path() if self.native_decode else None
+        if fused is not None and fused.serves(step, x.shape[0]):
+            x = fused.forward(x, cos_sin, kv, step)
+        else:
+            for layer, layer_kv in zip(self.model.layers, kv):
+                x = layer(x, cos_sin, layer_kv, step)
         return self.model.norm(x)
+
+    @property
+    def native_path(self) -> native_decode.NativeDecode | None:
+        """The native decode path as last built (None: not built yet, or the model cannot take it)."""
+        return self._native[1] if self._native is not None else None
+
+    def _native_path(self) -> native_decode.NativeDecode | None:
+        # Built on first use and again whenever a layer's weights or executor were swapped
+        # (dense quantization, an instrumenting wrapper).
+        sig = native_decode.signature(self)
+        if self._native is None or self._native[0] != sig:
+            self._native = (sig, native_decode.build(self))
+        return self._native[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

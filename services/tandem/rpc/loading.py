@@ -34,8 +34,12 @@ class TimedExpertExecutor:
     """An in-process executor whose forward calls are timed (what the gRPC client does remotely)."""
 
     def __init__(self, inner, histogram):
-        self.inner = inner
+        self.inner, self.histogram = inner, histogram
         self.forward = timed(inner.forward, histogram)
+
+    def observe(self, layer, topk_ids, seconds: float) -> None:
+        """A call the native decode path made to `inner`'s kernel directly (tandem.model.native_decode)."""
+        self.histogram.observe(seconds)
 
 
 def engine_config(opts) -> EngineConfig:

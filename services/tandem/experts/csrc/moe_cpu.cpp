@@ -11,6 +11,8 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -365,4 +367,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &tandem::set_isa, "force an instruction set: scalar, avx2 or avx512");
   m.def("isa", [] { return tandem::g_isa; }, "the instruction set in use");
   m.def("supported_isas", &tandem::supported_isas, "instruction sets this CPU can run");
+  tandem::bind_decode_layer(m);
 }

@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -229,6 +231,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 }  // namespace
+
+namespace tandem {
+
+void paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                int64_t sliding_window, at::Tensor& out) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_decode_attention_f32: float32 tensors only");
+  decode_attention<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out);
+}
+
+}  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "

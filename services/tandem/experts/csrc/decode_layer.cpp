@@ -1,0 +1,284 @@
+// One decoder layer's decode step on the CPU in a single call: RMSNorm, Q/K/V, (Q/K norm),
+// RoPE, the KV write, paged attention, the output projection, RMSNorm, the router's softmax
+// top-k and the routed experts, with both residual adds.
+//
+// Why: on a CPU decode step the weights are the memory traffic, and every big read (an
+// expert, a projection) flushes the caches. The ~150 small torch ops a layer ran between
+// those reads then each ran cold: a 1024-wide RMSNorm took 90 us after a 16 MB read against
+// 25 us warm, and a step of the benchmark Mixtral spent ~4 ms of its 13 in them. Here the
+// glue is a few loops over the token's vectors and the big reads are the same kernels
+// (linear_forward, moe_forward, the paged decode attention) the Python path calls.
+//
+// Scope: grouped-query attention with rotate-half RoPE (Llama, Mixtral, Qwen2/3-MoE without
+// a shared expert), float32 activations and KV, dense weights f32 or int8, experts in any
+// kind moe_forward takes. tandem/model/native_decode.py decides when a step qualifies and
+// otherwise the model runs its torch path.
+
+#include <pybind11/pybind11.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace tandem {
+namespace {
+
+constexpr int64_t kF32Kind = 0, kInt8Kind = 2;
+
+// A dense projection: weight [N, K] in f32 (kind 0) or int8 rows with f32 scales (kind 2),
+// optional bias [N].
+struct Dense {
+  int64_t kind = kF32Kind;
+  at::Tensor weight, scale, bias;
+
+  int64_t out_features() const { return weight.size(0); }
+
+  void check(const char* name, int64_t in_features) const {
+    TORCH_CHECK(weight.defined() && weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == in_features,
+                name, ": weight must be contiguous [N, ", in_features, "]");
+    TORCH_CHECK((kind == kF32Kind && weight.scalar_type() == at::kFloat) ||
+                    (kind == kInt8Kind && weight.scalar_type() == at::kChar && scale.defined() &&
+                     scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0)),
+                name, ": weight must be f32 (kind 0) or int8 with f32 row scales (kind 2)");
+    TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.numel() == weight.size(0)), name,
+                ": bias must be f32 [N]");
+  }
+
+  // out [T, N] = x [T, K] W^T + bias
+  void operator()(const at::Tensor& x, at::Tensor& out) const {
+    linear_forward(x, kind, weight, kind == kInt8Kind ? scale : at::Tensor(), out);
+    if (bias.defined()) {
+      const float* b = bias.data_ptr<float>();
+      float* o = out.data_ptr<float>();
+      const int64_t T = out.size(0), N = out.size(1);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t n = 0; n < N; ++n) o[t * N + n] += b[n];
+    }
+  }
+};
+
+// out[r] = w * (x[r] / rms(x[r])) for `rows` rows of width n, as transformers' RMSNorm in float32:
+// the mean of squares, rsqrt(mean + eps), the product, then the weight.
+void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    double ss = 0.0;  // torch reduces pairwise in float; a double sum is as close to exact
+    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = 1.f / std::sqrt(static_cast<float>(ss / n) + eps);
+    float* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (xr[i] * inv);
+  }
+}
+
+// Rotate-half RoPE in place on x [T, heads, D]; cos/sin [T, D] (each half repeated, as the model builds them).
+void rope(float* x, int64_t T, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos + t * D;
+    const float* s = sin + t * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + (t * heads + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+// Rows [T, heads * D] into cache [blocks, block_size, heads, D] (any strides, last dim
+// contiguous) at slots[t] = block * block_size + offset.
+void write_cache(const float* rows, int64_t T, int64_t heads, int64_t D, at::Tensor& cache, const int64_t* slots) {
+  const int64_t bs = cache.size(1), s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
+  float* base = cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* dst = base + (slots[t] / bs) * s0 + (slots[t] % bs) * s1;
+    for (int64_t h = 0; h < heads; ++h) std::copy_n(rows + (t * heads + h) * D, D, dst + h * s2);
+  }
+}
+
+// Softmax over E router logits, the top k (descending), optionally renormalised to sum 1.
+void route(const float* logits, int64_t T, int64_t E, int64_t k, bool normalize, int64_t* ids, float* wts) {
+  std::vector<float> p(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = logits + t * E;
+    const float m = *std::max_element(l, l + E);
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(l[e] - m));
+    for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    float chosen = 0.f;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+      ids[t * k + j] = best;
+      wts[t * k + j] = p[best];
+      chosen += p[best];
+      p[best] = -1.f;  // taken
+    }
+    if (normalize)
+      for (int64_t j = 0; j < k; ++j) wts[t * k + j] /= chosen;
+  }
+}
+
+}  // namespace
+
+struct DecodeLayer {
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  double eps = 1e-6, scale = 1.0;
+  at::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm/k_norm undefined: no Q/K norm
+  Dense q, k, v, o;
+  at::Tensor router;  // [E, hidden] f32
+  int64_t top_k = 0;
+  bool normalize = true;
+  int64_t expert_kind = 0, group = 32;
+  at::Tensor gate_up, gate_up_scale, gate_up_min, down, down_scale, down_min;
+
+  // Everything the layer holds, checked once (the Python side calls this after filling it in).
+  void check() const {
+    TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0,
+                "DecodeLayer: bad head layout");
+    for (const at::Tensor* w : {&input_norm, &post_norm})
+      TORCH_CHECK(w->defined() && w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == hidden,
+                  "DecodeLayer: norm weights must be contiguous f32 [hidden]");
+    TORCH_CHECK(q_norm.defined() == k_norm.defined(), "DecodeLayer: Q norm and K norm come together");
+    if (q_norm.defined())
+      for (const at::Tensor* w : {&q_norm, &k_norm})
+        TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == head_dim,
+                    "DecodeLayer: Q/K norm weights must be contiguous f32 [head_dim]");
+    q.check("q_proj", hidden);
+    k.check("k_proj", hidden);
+    v.check("v_proj", hidden);
+    o.check("o_proj", heads * head_dim);
+    TORCH_CHECK(q.out_features() == heads * head_dim && k.out_features() == kv_heads * head_dim &&
+                    v.out_features() == kv_heads * head_dim && o.out_features() == hidden,
+                "DecodeLayer: projection sizes do not match the head layout");
+    TORCH_CHECK(router.defined() && router.scalar_type() == at::kFloat && router.is_contiguous() && router.dim() == 2 &&
+                    router.size(1) == hidden,
+                "DecodeLayer: router must be contiguous f32 [E, hidden]");
+    TORCH_CHECK(top_k > 0 && top_k <= router.size(0), "DecodeLayer: top_k must be in [1, E]");
+    TORCH_CHECK(gate_up.defined() && gate_up.dim() == 3 && gate_up.size(0) == router.size(0) && down.defined() &&
+                    down.dim() == 3 && down.size(0) == router.size(0) && down.size(1) == hidden,
+                "DecodeLayer: experts must be gate_up [E, 2I, *] and down [E, hidden, *] for the router's E");
+  }
+
+  // One decode step of T tokens (one per sequence). x [T, hidden] f32, updated in place (the
+  // residual stream); cos/sin [T, head_dim]; caches [blocks, block_size, kv_heads, head_dim] f32;
+  // slots [T], block_tables [T, max_blocks], seq_lens [T] int64. Returns the seconds spent in
+  // the routed experts and the experts each token went to, ids [T, top_k] (for the metrics).
+  std::tuple<double, at::Tensor> forward(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                 at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens, int64_t sliding_window) const {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "DecodeLayer.forward: x must be contiguous f32 [T, ", hidden, "]");
+    const int64_t T = x.size(0);
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.numel() == T * head_dim && sin.numel() == T * head_dim,
+                "DecodeLayer.forward: cos and sin must be contiguous f32 [T, head_dim]");
+    for (const at::Tensor* c : {&k_cache, &v_cache})
+      TORCH_CHECK(c->scalar_type() == at::kFloat && c->dim() == 4 && c->size(2) == kv_heads &&
+                      c->size(3) == head_dim && c->stride(3) == 1,
+                  "DecodeLayer.forward: caches must be f32 [blocks, block_size, kv_heads, head_dim]");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T &&
+                    seq_lens.scalar_type() == at::kLong && seq_lens.numel() == T &&
+                    block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == T,
+                "DecodeLayer.forward: slots [T], seq_lens [T] and block_tables [T, max_blocks] must be int64");
+    if (T == 0) return {0.0, at::empty({0, top_k}, x.options().dtype(at::kLong))};
+    const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "DecodeLayer.forward: slot ", sp[t], " outside the cache");
+
+    const auto f32 = x.options();
+    const float epsf = static_cast<float>(eps);
+    const int64_t E = router.size(0), qw = heads * head_dim, kw = kv_heads * head_dim;
+
+    // attention
+    at::Tensor h = at::empty({T, hidden}, f32);
+    rms_norm(x.data_ptr<float>(), input_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
+    at::Tensor qb = at::empty({T, qw}, f32), kb = at::empty({T, kw}, f32), vb = at::empty({T, kw}, f32);
+    q(h, qb);
+    k(h, kb);
+    v(h, vb);
+    if (q_norm.defined()) {
+      rms_norm(qb.data_ptr<float>(), q_norm.data_ptr<float>(), qb.data_ptr<float>(), T * heads, head_dim, epsf);
+      rms_norm(kb.data_ptr<float>(), k_norm.data_ptr<float>(), kb.data_ptr<float>(), T * kv_heads, head_dim, epsf);
+    }
+    rope(qb.data_ptr<float>(), T, heads, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+    rope(kb.data_ptr<float>(), T, kv_heads, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+    write_cache(kb.data_ptr<float>(), T, kv_heads, head_dim, k_cache, sp);
+    write_cache(vb.data_ptr<float>(), T, kv_heads, head_dim, v_cache, sp);
+    at::Tensor attn = at::empty({T, heads, head_dim}, f32);
+    paged_decode_attention_f32(qb.view({T, heads, head_dim}), k_cache, v_cache, block_tables, seq_lens, scale,
+                               sliding_window, attn);
+    at::Tensor ob = at::empty({T, hidden}, f32);
+    o(attn.view({T, qw}), ob);
+    float* xp = x.data_ptr<float>();
+    const float* op = ob.data_ptr<float>();
+    for (int64_t i = 0; i < T * hidden; ++i) xp[i] += op[i];
+
+    // routed experts
+    rms_norm(xp, post_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
+    at::Tensor logits = at::empty({T, E}, f32);
+    linear_forward(h, kF32Kind, router, at::Tensor(), logits);
+    at::Tensor ids = at::empty({T, top_k}, x.options().dtype(at::kLong)), wts = at::empty({T, top_k}, f32);
+    route(logits.data_ptr<float>(), T, E, top_k, normalize, ids.data_ptr<int64_t>(), wts.data_ptr<float>());
+    const int64_t intermediate = gate_up.size(1) / 2;
+    at::Tensor scratch = at::empty({T * top_k * intermediate}, f32);
+    const auto start = std::chrono::steady_clock::now();
+    moe_forward(h, ids, wts, expert_kind, group, gate_up, gate_up_scale, gate_up_min, down, down_scale, down_min, ob,
+                scratch);
+    const double expert_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    for (int64_t i = 0; i < T * hidden; ++i) xp[i] += op[i];
+    return {expert_seconds, ids};
+  }
+};
+
+void bind_decode_layer(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<Dense>(m, "Dense", "a dense projection for DecodeLayer: kind 0 f32, kind 2 int8 rows")
+      .def(py::init<>())
+      .def_readwrite("kind", &Dense::kind)
+      .def_readwrite("weight", &Dense::weight)
+      .def_readwrite("scale", &Dense::scale)
+      .def_readwrite("bias", &Dense::bias);
+  py::class_<DecodeLayer>(m, "DecodeLayer", "one GQA + routed-MoE decoder layer's CPU decode step in one call")
+      .def(py::init<>())
+      .def_readwrite("hidden", &DecodeLayer::hidden)
+      .def_readwrite("heads", &DecodeLayer::heads)
+      .def_readwrite("kv_heads", &DecodeLayer::kv_heads)
+      .def_readwrite("head_dim", &DecodeLayer::head_dim)
+      .def_readwrite("eps", &DecodeLayer::eps)
+      .def_readwrite("scale", &DecodeLayer::scale)
+      .def_readwrite("input_norm", &DecodeLayer::input_norm)
+      .def_readwrite("post_norm", &DecodeLayer::post_norm)
+      .def_readwrite("q_norm", &DecodeLayer::q_norm)
+      .def_readwrite("k_norm", &DecodeLayer::k_norm)
+      .def_readwrite("q", &DecodeLayer::q)
+      .def_readwrite("k", &DecodeLayer::k)
+      .def_readwrite("v", &DecodeLayer::v)
+      .def_readwrite("o", &DecodeLayer::o)
+      .def_readwrite("router", &DecodeLayer::router)
+      .def_readwrite("top_k", &DecodeLayer::top_k)
+      .def_readwrite("normalize", &DecodeLayer::normalize)
+      .def_readwrite("expert_kind", &DecodeLayer::expert_kind)
+      .def_readwrite("group", &DecodeLayer::group)
+      .def_readwrite("gate_up", &DecodeLayer::gate_up)
+      .def_readwrite("gate_up_scale", &DecodeLayer::gate_up_scale)
+      .def_readwrite("gate_up_min", &DecodeLayer::gate_up_min)
+      .def_readwrite("down", &DecodeLayer::down)
+      .def_readwrite("down_scale", &DecodeLayer::down_scale)
+      .def_readwrite("down_min", &DecodeLayer::down_min)
+      .def("check", &DecodeLayer::check)
+      .def("forward", &DecodeLayer::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("sliding_window"));
+}
+
+}  // namespace tandem

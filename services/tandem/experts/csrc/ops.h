@@ -1,0 +1,24 @@
+// The kernels one translation unit calls from another: the routed experts and dense layers
+// (moe_cpu.cpp), paged decode attention (paged_attention.cpp), and the fused decode layer
+// (decode_layer.cpp) that strings them together.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace tandem {
+
+void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, int64_t kind, int64_t group,
+                 const at::Tensor& gu, const at::Tensor& gu_scale, const at::Tensor& gu_min, const at::Tensor& dn,
+                 const at::Tensor& dn_scale, const at::Tensor& dn_min, at::Tensor& out, at::Tensor& scratch);
+
+void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& scale, at::Tensor& out);
+
+// out [B, H, Dv] = paged decode attention of q [B, H, D] (see paged_attention.cpp), f32 only.
+void paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                int64_t sliding_window, at::Tensor& out);
+
+// Registers the DecodeLayer class on the extension module.
+void bind_decode_layer(pybind11::module& m);
+
+}  // namespace tandem

@@ -1,0 +1,166 @@
+"""The CPU decode step in native code: one call per decoder layer (experts/csrc/decode_layer.cpp).
+
+When the model runs on the CPU, a decode step streams the weights from RAM, and every big read
+(an expert, a projection) evicts the caches. The torch path runs ~150 small ops per layer between
+those reads, each of them cold; `DecodeLayer` does that glue (norms, RoPE, the KV write, routing,
+residual adds) in a few loops and calls the same native kernels for the reads.
+
+It serves a step when all of these hold, and the model's torch path serves it otherwise:
+- the model is float32 on the CPU, every layer grouped-query attention with routed experts and no
+  shared expert (Mixtral, Qwen3-MoE, Qwen2-MoE without one), dense weights f32 or int8;
+- the experts run in this process on the native kernel (`CpuExpertExecutor`), possibly behind
+  wrappers that only watch the calls (`inner` + `observe`, e.g. the serving metrics' timer);
+- the step is decode only, every sequence on the device tier, at most `max_tokens` tokens.
+
+Wrappers around the executor see each layer's call through `observe(layer, topk_ids, seconds)`
+instead of `forward`, since the experts are called from native code.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tandem.experts import native
+from tandem.experts.cpu_executor import CpuExpertExecutor
+from tandem.kv.tiered import LayerKV, StepAttention
+from tandem.model.attention import Attention
+from tandem.model.moe import SparseMoe
+from tandem.model.quant_linear import Int8Linear
+
+_log = logging.getLogger(__name__)
+_F32, _INT8 = 0, 2  # the native kernel's weight kinds
+
+
+class Unsupported(ValueError):
+    """The model (as it is now) cannot take the native decode path; the message says why."""
+
+
+def unwrap_executor(executor) -> tuple[CpuExpertExecutor, list]:
+    """The native in-process executor behind `executor`, and the `observe` hooks of the wrappers
+    around it (outermost first)."""
+    observers = []
+    while not isinstance(executor, CpuExpertExecutor):
+        inner, observe = getattr(executor, "inner", None), getattr(executor, "observe", None)
+        if inner is None or observe is None:
+            raise Unsupported(f"the experts run on {type(executor).__name__}, not in this process")
+        observers.append(observe)
+        executor = inner
+    if executor.native is None:
+        raise Unsupported("the native expert kernel is not loaded")
+    if "forward" in getattr(executor, "__dict__", {}):  # patched or wrapped in place: honour it, call it from Python
+        raise Unsupported("the executor's forward was replaced")
+    return executor, observers
+
+
+def _dense(module: nn.Module, name: str):
+    d = native.load_kernel().Dense()
+    if isinstance(module, Int8Linear):
+        d.kind, d.weight, d.scale = _INT8, module.kernel.q, module.kernel.scale
+    elif isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
+        d.kind, d.weight = _F32, module.weight.detach().contiguous()
+    else:
+        raise Unsupported(f"{name} is {type(module).__name__} ({getattr(module, 'weight', None).dtype}), "
+                          "not a float32 or int8 linear layer")
+    if module.bias is not None:
+        d.bias = module.bias.detach().float().contiguous()
+    return d
+
+
+def _layer(index: int, layer: nn.Module, eps_of) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not Attention:
+        raise Unsupported(f"layer {index}: {type(attn).__name__} is not grouped-query attention")
+    if type(mlp) is not SparseMoe or mlp.shared_expert is not None:
+        raise Unsupported(f"layer {index}: {type(mlp).__name__} is not a routed MoE without a shared expert")
+    executor, observers = unwrap_executor(mlp.executor)
+    experts = executor.layers.get(mlp.layer)
+    if experts is None:
+        raise Unsupported(f"layer {index}: the executor holds no experts for it")
+    d = native.load_kernel().DecodeLayer()
+    d.hidden, d.heads, d.kv_heads, d.head_dim = experts.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim
+    d.eps, d.scale = eps_of(layer.input_layernorm), attn.scale
+    if eps_of(layer.post_attention_layernorm) != d.eps or (attn.qk_norm and eps_of(attn.q_norm) != d.eps):
+        raise Unsupported(f"layer {index}: its norms have different epsilons")
+    d.input_norm = layer.input_layernorm.weight.detach().float().contiguous()
+    d.post_norm = layer.post_attention_layernorm.weight.detach().float().contiguous()
+    if attn.qk_norm:
+        d.q_norm = attn.q_norm.weight.detach().float().contiguous()
+        d.k_norm = attn.k_norm.weight.detach().float().contiguous()
+    d.q, d.k, d.v, d.o = (_dense(getattr(attn, n), f"layer {index} {n}") for n in ("q_proj", "k_proj", "v_proj",
+                                                                                        "o_proj"))
+    if mlp.gate.weight.dtype != torch.float32:
+        raise Unsupported(f"layer {index}: the router is {mlp.gate.weight.dtype}, not float32")
+    d.router = mlp.gate.weight.detach().contiguous()
+    d.top_k, d.normalize = mlp.top_k, bool(mlp.normalize)
+    d.expert_kind, d.group = experts.kind, experts.group_size
+    d.gate_up, d.gate_up_scale, d.gate_up_min, d.down, d.down_scale, d.down_min = experts.native_args()
+    d.check()
+    return d, observers, executor.prefill_tokens
+
+
+class NativeDecode:
+    """The model's decoder layers as `DecodeLayer`s, built for the model as it is now."""
+
+    def __init__(self, model: nn.Module):
+        if native.load_kernel() is None:
+            raise Unsupported(f"the native kernel is not available: {native.unavailable_reason()}")
+        emb = model.model.embed_tokens.weight
+        if emb.device.type != "cpu" or emb.dtype != torch.float32:
+            raise Unsupported(f"the model is {emb.dtype} on {emb.device}, not float32 on the CPU")
+        built = [_layer(i, layer, lambda norm: float(norm.eps)) for i, layer in enumerate(model.model.layers)]
+        self.layers = [b[0] for b in built]
+        self.observers = [b[1] for b in built]
+        self.moe_layers = [layer.mlp.layer for layer in model.model.layers]
+        # Int8Linear and the executor hand batches above their threshold to GEMMs; so does this path.
+        limits = [b[2] for b in built] + [m.kernel.prefill_tokens for m in model.modules() if isinstance(m, Int8Linear)]
+        self.max_tokens = min(limits)
+        self.steps = 0  # steps served (tests check the path was taken)
+
+    def serves(self, step: StepAttention, num_tokens: int) -> bool:
+        meta = step.device
+        return (step.cpu is None and meta is not None and 0 < num_tokens <= self.max_tokens
+                and meta.query_index.shape[1] == 1)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: list[LayerKV],
+                step: StepAttention) -> torch.Tensor:
+        """x [T, H] embeddings -> [T, H] hidden states before the final norm (x is updated in place)."""
+        meta = step.device
+        cos, sin = (c.contiguous() for c in cos_sin)
+        window = meta.sliding_window or 0
+        self.steps += 1
+        for layer, observers, moe_layer, cache in zip(self.layers, self.observers, self.moe_layers, kv):
+            seconds, ids = layer.forward(x, cos, sin, cache.device["k"], cache.device["v"], meta.slot_mapping,
+                                         meta.block_tables, meta.seq_lens, window)
+            for observe in observers:
+                observe(moe_layer, ids, seconds)
+        return x
+
+
+def signature(model: nn.Module) -> tuple:
+    """What `NativeDecode` was built from: the modules and executors it took weights from."""
+    sig = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        sig.append((id(attn), id(mlp), *(id(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                    id(getattr(mlp, "executor", None)), id(_own_forward(getattr(mlp, "executor", None)))))
+    return tuple(sig)
+
+
+def _own_forward(executor):
+    while executor is not None:  # a forward set on an instance (a patch), down the wrapper chain
+        if "forward" in getattr(executor, "__dict__", {}) and not hasattr(executor, "observe"):
+            return vars(executor)["forward"]
+        executor = getattr(executor, "inner", None)
+    return None
+
+
+def build(model: nn.Module) -> NativeDecode | None:
+    """The native decode path for `model`, or None (logged once per reason) when it cannot take it."""
+    try:
+        return NativeDecode(model)
+    except Unsupported as exc:
+        _log.debug("native decode path off: %s", exc)
+        return None

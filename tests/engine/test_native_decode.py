@@ -1,0 +1,105 @@
+"""The native CPU decode layer (tandem.model.native_decode): when it serves a step, what the
+wrappers around the executor still see, and its input checks. Its numerics against transformers
+are in test_parity.py (float32, Mixtral and Qwen3-MoE, with and without a sliding window)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.llm_engine import EngineConfig, LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine_bench import ExpertTraffic
+from tandem.rpc.loading import TimedExpertExecutor
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+class Histogram:
+    def __init__(self):
+        self.values = []
+
+    def observe(self, value):
+        self.values.append(value)
+
+
+def engine_for(model_dir, **kwargs) -> LLMEngine:
+    return LLMEngine.from_pretrained(model_dir, device="cpu", dtype="float32", config=EngineConfig(), **kwargs)
+
+
+def wrap_executors(engine, make):
+    wrapped = {}
+    for layer in engine.model.model.layers:
+        key = id(layer.mlp.executor)
+        wrapped.setdefault(key, make(layer.mlp.executor))
+        layer.mlp.executor = wrapped[key]
+    return next(iter(wrapped.values()))
+
+
+def test_the_serving_timer_sees_every_native_expert_call(demo_model_dir):
+    e = engine_for(demo_model_dir("mixtral"))
+    histogram = Histogram()
+    wrap_executors(e, lambda inner: TimedExpertExecutor(inner, histogram))
+    e.generate([[5, 6, 7, 8]], GREEDY)
+    path, layers = e.model.native_path, len(e.model.model.layers)
+    assert path is not None and path.steps == GREEDY.max_tokens - 1
+    # the prefill called the executor through the wrapper, the decode steps through observe
+    assert len(histogram.values) == layers * GREEDY.max_tokens
+    assert all(v > 0 for v in histogram.values)
+
+
+def test_the_bench_counts_the_experts_native_steps_touch(demo_model_dir):
+    e = engine_for(demo_model_dir("mixtral"))
+    cfg = e.model.cfg
+    traffic = wrap_executors(e, lambda inner: ExpertTraffic(inner, {i: 1 for i in range(cfg.num_layers)}))
+    e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert e.model.native_path.steps == 1
+    # prefill: 4 tokens touch between top_k and num_experts experts per layer; one decode: top_k
+    prefill_min = cfg.num_layers * cfg.top_k
+    assert prefill_min + cfg.num_layers * cfg.top_k <= traffic.bytes <= cfg.num_layers * (cfg.num_experts + cfg.top_k)
+
+
+def test_a_patched_executor_forward_is_honoured(demo_model_dir):
+    e = engine_for(demo_model_dir("mixtral"))
+    executor = e.model.model.layers[0].mlp.executor
+    calls = []
+    real = executor.forward
+    executor.forward = lambda *args: calls.append(args[0]) or real(*args)
+    e.generate([[5, 6, 7]], GREEDY)
+    assert e.model.native_path is None
+    assert len(calls) == len(e.model.model.layers) * GREEDY.max_tokens
+
+
+def test_int8_dense_layers_take_the_native_path_with_the_torch_paths_numerics(demo_model_dir):
+    model_dir = demo_model_dir("mixtral")
+    prompt, params = [9, 4, 7, 1, 3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    logits = {}
+    for native in (True, False):
+        e = engine_for(model_dir, expert_quant="int8", dense_quant="int8")
+        e.model.native_decode = native
+        rows = []
+        e.runner.logits_hook = lambda rid, row: rows.append(row.clone())
+        e.generate([prompt], params)
+        logits[native] = torch.stack(rows)
+        assert (e.model.native_path is not None) == native
+    # the same int8 kernels on both paths; only the glue (norms, RoPE, routing) is new
+    assert (logits[True] - logits[False]).abs().max().item() <= 1e-4
+
+
+def test_decode_layer_rejects_bad_input_and_leaves_the_cache_alone(demo_model_dir):
+    e = engine_for(demo_model_dir("mixtral"))
+    e.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    layer = e.model.native_path.layers[0]
+    cfg = e.model.cfg
+    k_cache = torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    x = torch.randn(1, cfg.hidden_size)
+    cos = sin = torch.zeros(1, cfg.head_dim)
+    tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="x must be contiguous f32"):
+        layer.forward(torch.randn(1, cfg.hidden_size + 1), cos, sin, k_cache, v_cache,
+                      torch.zeros(1, dtype=torch.long), tables, lens, 0)
+    before = x.clone()
+    with pytest.raises(RuntimeError, match="slot 64 outside the cache"):
+        layer.forward(x, cos, sin, k_cache, v_cache, torch.tensor([64]), tables, lens, 0)
+    assert torch.equal(x, before) and not k_cache.any() and not v_cache.any()
