@@ -80,6 +80,24 @@ def assert_kernel_close(got, want, quant: str, gemm: bool = False, isa: str = ""
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=isa)
 
 
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_int4_groups_wider_than_a_block_on_every_instruction_set(kernel_module, group_size):
+    # A group's scale covers 2 or 4 of the kernel's 32-blocks: the scale lookup differs from groups of 32.
+    g = torch.Generator().manual_seed(4)
+    i = 256  # a multiple of 128
+    wide = {3: ExpertWeights(torch.randn(E, 2 * i, H, generator=g) / H**0.5, torch.randn(E, H, i, generator=g) / i**0.5)}
+    ex = CpuExpertExecutor(wide, quant="int4", group_size=group_size, kernel="native", threads=2)
+    hidden, ids, weights = batch(5, seed=3)
+    want = dequantized_reference(ex, 3).forward(3, hidden, ids, weights)
+    before = kernel_module.isa()
+    try:
+        for isa in kernel_module.supported_isas():
+            kernel_module.set_isa(isa)
+            assert_kernel_close(ex.forward(3, hidden, ids, weights), want, "int4", isa=isa)
+    finally:
+        kernel_module.set_isa(before)
+
+
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_every_instruction_set_gives_the_same_result(layers, kernel_module, quant):
     ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2)

@@ -266,6 +266,23 @@ static void dot_int8(const int8_t* w, int64_t K, const Act* a, float* res) {
   }
 }
 
+// The group scales of superblock sb's kSuper blocks as floats (lanes past kSuper unused), one
+// vector conversion: scalar conversions stored to an array and reloaded stall on store forwarding.
+static inline __m128 superblock_scales(const uint16_t* scale, int64_t sb, int shift) {
+  const uint16_t* s = scale + ((sb * kSuper) >> shift);
+  int64_t bits = 0;
+  if (shift == 0) {
+    std::memcpy(&bits, s, kSuper * sizeof(uint16_t));  // one scale per block
+  } else if (shift == 1) {
+    const int64_t a = s[0], b = kSuper == 4 ? s[1] : s[0];  // each scale covers two blocks
+    bits = a | (a << 16) | (b << 32) | (b << 48);
+  } else {
+    const int64_t a = s[0];  // one scale covers the superblock
+    bits = a | (a << 16) | (a << 32) | (a << 48);
+  }
+  return _mm_cvtph_ps(_mm_cvtsi64_si128(bits));
+}
+
 // int4 row x Q8 activations: sum_b s_g(b) d_b sum_j q_bj xq_bj + sum_g min_g xs_g.
 template <int NT>
 static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn, int64_t K, int64_t group,
@@ -278,9 +295,7 @@ static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn
   for (int t = 0; t < NT; ++t) acc[t] = V::zero();
   for (int64_t sb = 0; sb < supers; ++sb) {
     _mm_prefetch(reinterpret_cast<const char*>(w + sb * kSuper * 16) + kPrefetch, _MM_HINT_T0);
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int i = 0; i < kSuper; ++i) s[i] = half_to_float(scale[(sb * kSuper + i) >> shift]);
-    const __m128 sv = _mm_loadu_ps(s);
+    const __m128 sv = superblock_scales(scale, sb, shift);
     for (int t = 0; t < NT; ++t) {
       const __m128 sd = _mm_mul_ps(sv, _mm_loadu_ps(a[t].d + sb * kSuper));  // reads 4 floats; see Act
       const T dot = V::cvt(V::dot_i4_q8(w + sb * kSuper * 16, a[t].q + sb * kSuper * 32));
