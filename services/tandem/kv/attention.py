@@ -33,19 +33,28 @@ class AttentionMetadata:
         q_max = max(lens)
         max_blocks = max(len(t) for t in block_tables)
         l_max = max_blocks * block_size
-        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
-        query_index = torch.zeros(num_seqs, q_max, dtype=torch.long)
-        query_pos = torch.zeros(num_seqs, q_max, dtype=torch.long)
-        query_valid = torch.zeros(num_seqs, q_max, dtype=torch.bool)
-        slots, offset = [], 0
-        for i, (start, n, table) in enumerate(zip(starts, lens, block_tables)):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-            query_index[i, :n] = torch.arange(offset, offset + n)
-            query_pos[i, :n] = torch.arange(start, start + n)
-            query_valid[i, :n] = True
-            pos = torch.arange(start, start + n)
-            slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
-            offset += n
+        if all(n == 1 for n in lens):  # decode: one token per sequence, built from lists in a few ops
+            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+            query_index = torch.arange(num_seqs).view(-1, 1)
+            query_pos = torch.tensor(starts, dtype=torch.long).view(-1, 1)
+            query_valid = torch.ones(num_seqs, 1, dtype=torch.bool)
+            slot_mapping = torch.tensor([t[p // block_size] * block_size + p % block_size
+                                         for p, t in zip(starts, block_tables)], dtype=torch.long)
+        else:
+            tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
+            query_index = torch.zeros(num_seqs, q_max, dtype=torch.long)
+            query_pos = torch.zeros(num_seqs, q_max, dtype=torch.long)
+            query_valid = torch.zeros(num_seqs, q_max, dtype=torch.bool)
+            slots, offset = [], 0
+            for i, (start, n, table) in enumerate(zip(starts, lens, block_tables)):
+                tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+                query_index[i, :n] = torch.arange(offset, offset + n)
+                query_pos[i, :n] = torch.arange(start, start + n)
+                query_valid[i, :n] = True
+                pos = torch.arange(start, start + n)
+                slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
+                offset += n
+            slot_mapping = torch.cat(slots)
         key_pos = torch.arange(l_max)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Qmax, Lmax]
         if sliding_window is not None:
@@ -53,7 +62,7 @@ class AttentionMetadata:
         mask[:, :, 0] |= ~query_valid  # padded queries see key 0 so their softmax stays finite
         seq_lens = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.long)
         return cls(
-            slot_mapping=torch.cat(slots).to(device),
+            slot_mapping=slot_mapping.to(device),
             block_tables=tables.to(device),
             query_index=query_index.to(device),
             query_valid=query_valid.to(device),

@@ -74,10 +74,9 @@ class CausalLM(nn.Module):
         kv = [LayerKV.of(cache, i) for i in range(len(self.model.layers))]
         fused = self._native_path() if self.native_decode else None
         if fused is not None and fused.serves(step, x.shape[0]):
-            x = fused.forward(x, cos_sin, kv, step)
-        else:
-            for layer, layer_kv in zip(self.model.layers, kv):
-                x = layer(x, cos_sin, layer_kv, step)
+            return fused.forward(x, cos_sin, kv, step)  # the final norm included
+        for layer, layer_kv in zip(self.model.layers, kv):
+            x = layer(x, cos_sin, layer_kv, step)
         return self.model.norm(x)
 
     @property

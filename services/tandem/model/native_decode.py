@@ -114,6 +114,9 @@ class NativeDecode:
         self.layers = [b[0] for b in built]
         self.observers = [b[1] for b in built]
         self.moe_layers = [layer.mlp.layer for layer in model.model.layers]
+        self.final_norm = model.model.norm.weight.detach().float().contiguous()
+        self.final_eps = float(model.model.norm.eps)
+        self.rms_norm = native.load_kernel().rms_norm
         # Int8Linear and the executor hand batches above their threshold to GEMMs; so does this path.
         limits = [b[2] for b in built] + [m.kernel.prefill_tokens for m in model.modules() if isinstance(m, Int8Linear)]
         self.max_tokens = min(limits)
@@ -126,7 +129,7 @@ class NativeDecode:
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: list[LayerKV],
                 step: StepAttention) -> torch.Tensor:
-        """x [T, H] embeddings -> [T, H] hidden states before the final norm (x is updated in place)."""
+        """x [T, H] embeddings -> [T, H] final hidden states, after the final norm (x is updated in place)."""
         meta = step.device
         cos, sin = (c.contiguous() for c in cos_sin)
         window = meta.sliding_window or 0
@@ -136,7 +139,7 @@ class NativeDecode:
                                          meta.block_tables, meta.seq_lens, window)
             for observe in observers:
                 observe(moe_layer, ids, seconds)
-        return x
+        return self.rms_norm(x, self.final_norm, self.final_eps)
 
 
 def signature(model: nn.Module) -> tuple:

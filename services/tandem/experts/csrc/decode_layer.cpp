@@ -240,8 +240,21 @@ struct DecodeLayer {
   }
 };
 
+// out [T, n] = RMSNorm of x [T, n] with weight [n] (the model's final norm after the native layers).
+at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous f32 [T, n]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: weight must be contiguous f32 [n]");
+  at::Tensor out = at::empty_like(x);
+  rms_norm(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
+           static_cast<float>(eps));
+  return out;
+}
+
 void bind_decode_layer(pybind11::module& m) {
   namespace py = pybind11;
+  m.def("rms_norm", &rms_norm_f32, "RMSNorm of contiguous f32 rows, as transformers computes it in float32",
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
   py::class_<Dense>(m, "Dense", "a dense projection for DecodeLayer: kind 0 f32, kind 2 int8 rows")
       .def(py::init<>())
       .def_readwrite("kind", &Dense::kind)
