@@ -59,15 +59,36 @@ def test_the_bench_counts_the_experts_native_steps_touch(demo_model_dir):
     assert prefill_min + cfg.num_layers * cfg.top_k <= traffic.bytes <= cfg.num_layers * (cfg.num_experts + cfg.top_k)
 
 
-def test_a_patched_executor_forward_is_honoured(demo_model_dir):
+def test_a_patched_executor_forward_is_called_after_the_native_attention(demo_model_dir):
     e = engine_for(demo_model_dir("mixtral"))
     executor = e.model.model.layers[0].mlp.executor
     calls = []
     real = executor.forward
     executor.forward = lambda *args: calls.append(args[0]) or real(*args)
     e.generate([[5, 6, 7]], GREEDY)
-    assert e.model.native_path is None
+    path = e.model.native_path
+    assert path.steps == GREEDY.max_tokens - 1 and not path.local_experts
     assert len(calls) == len(e.model.model.layers) * GREEDY.max_tokens
+
+
+def test_experts_behind_the_executor_give_the_tokens_of_the_torch_path(demo_model_dir):
+    # The split deployment's shape: the native call stops at the router and the executor runs the experts.
+    model_dir, prompt = demo_model_dir("qwen3_moe", initializer_range=0.2), [3, 9, 4, 7]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for mode in ("torch", "remote"):
+        e = engine_for(model_dir)
+        e.model.native_decode = mode != "torch"
+        executor = e.model.model.layers[0].mlp.executor
+        executor.forward = executor.forward  # an instance attribute: not the executor the native layer can take
+        rows = []
+        e.runner.logits_hook = lambda rid, row: rows.append(row.clone())
+        [out] = e.generate([prompt], params)
+        runs[mode] = (out.token_ids, torch.stack(rows))
+        if mode == "remote":
+            assert e.model.native_path.steps == params.max_tokens - 1 and not e.model.native_path.local_experts
+    assert runs["torch"][0] == runs["remote"][0]
+    assert (runs["torch"][1] - runs["remote"][1]).abs().max().item() <= 1e-4
 
 
 def test_int8_dense_layers_take_the_native_path_with_the_torch_paths_numerics(demo_model_dir):
@@ -89,7 +110,7 @@ def test_int8_dense_layers_take_the_native_path_with_the_torch_paths_numerics(de
 def test_decode_layer_rejects_bad_input_and_leaves_the_cache_alone(demo_model_dir):
     e = engine_for(demo_model_dir("mixtral"))
     e.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    layer = e.model.native_path.layers[0]
+    layer = e.model.native_path.layers[0].native
     cfg = e.model.cfg
     k_cache = torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim)
     v_cache = torch.zeros_like(k_cache)

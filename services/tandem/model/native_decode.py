@@ -8,12 +8,14 @@ residual adds) in a few loops and calls the same native kernels for the reads.
 It serves a step when all of these hold, and the model's torch path serves it otherwise:
 - the model is float32 on the CPU, every layer grouped-query attention with routed experts and no
   shared expert (Mixtral, Qwen3-MoE, Qwen2-MoE without one), dense weights f32 or int8;
-- the experts run in this process on the native kernel (`CpuExpertExecutor`), possibly behind
-  wrappers that only watch the calls (`inner` + `observe`, e.g. the serving metrics' timer);
 - the step is decode only, every sequence on the device tier, at most `max_tokens` tokens.
 
-Wrappers around the executor see each layer's call through `observe(layer, topk_ids, seconds)`
-instead of `forward`, since the experts are called from native code.
+Where the experts run decides how much one call does:
+- in this process on the native kernel (`CpuExpertExecutor`), possibly behind wrappers that only
+  watch the calls (`inner` + `observe`, e.g. the serving metrics' timer): the whole layer, and the
+  wrappers see each call through `observe(layer, topk_ids, seconds)`;
+- anywhere else (the split deployment's experts process, the torch kernels, a patched `forward`):
+  the native call stops at the router and the layer's executor is called with its output.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tandem.experts import native
 from tandem.experts.cpu_executor import CpuExpertExecutor
 from tandem.kv.tiered import LayerKV, StepAttention
 from tandem.model.attention import Attention
-from tandem.model.moe import SparseMoe
+from tandem.model.moe import SparseMoe, run_routed_experts
 from tandem.model.quant_linear import Int8Linear
 
 _log = logging.getLogger(__name__)
@@ -69,40 +71,63 @@ def _dense(module: nn.Module, name: str):
     return d
 
 
-def _layer(index: int, layer: nn.Module, eps_of) -> tuple:
-    attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not Attention:
-        raise Unsupported(f"layer {index}: {type(attn).__name__} is not grouped-query attention")
-    if type(mlp) is not SparseMoe or mlp.shared_expert is not None:
-        raise Unsupported(f"layer {index}: {type(mlp).__name__} is not a routed MoE without a shared expert")
-    executor, observers = unwrap_executor(mlp.executor)
-    experts = executor.layers.get(mlp.layer)
-    if experts is None:
-        raise Unsupported(f"layer {index}: the executor holds no experts for it")
-    d = native.load_kernel().DecodeLayer()
-    d.hidden, d.heads, d.kv_heads, d.head_dim = experts.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim
-    d.eps, d.scale = eps_of(layer.input_layernorm), attn.scale
-    if eps_of(layer.post_attention_layernorm) != d.eps or (attn.qk_norm and eps_of(attn.q_norm) != d.eps):
-        raise Unsupported(f"layer {index}: its norms have different epsilons")
-    d.input_norm = layer.input_layernorm.weight.detach().float().contiguous()
-    d.post_norm = layer.post_attention_layernorm.weight.detach().float().contiguous()
-    if attn.qk_norm:
-        d.q_norm = attn.q_norm.weight.detach().float().contiguous()
-        d.k_norm = attn.k_norm.weight.detach().float().contiguous()
-    d.q, d.k, d.v, d.o = (_dense(getattr(attn, n), f"layer {index} {n}") for n in ("q_proj", "k_proj", "v_proj",
-                                                                                        "o_proj"))
-    if mlp.gate.weight.dtype != torch.float32:
-        raise Unsupported(f"layer {index}: the router is {mlp.gate.weight.dtype}, not float32")
-    d.router = mlp.gate.weight.detach().contiguous()
-    d.top_k, d.normalize = mlp.top_k, bool(mlp.normalize)
-    d.expert_kind, d.group = experts.kind, experts.group_size
-    d.gate_up, d.gate_up_scale, d.gate_up_min, d.down, d.down_scale, d.down_min = experts.native_args()
-    d.check()
-    return d, observers, executor.prefill_tokens
+DEFAULT_MAX_TOKENS = 32  # decode batches above this go to the torch path's GEMMs (as the executor's default)
+
+
+class _Layer:
+    """One decoder layer on the native path: experts in this process (`local`: one call does the
+    whole layer) or elsewhere (the native call stops at the router and the executor is called)."""
+
+    def __init__(self, index: int, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(attn) is not Attention:
+            raise Unsupported(f"layer {index}: {type(attn).__name__} is not grouped-query attention")
+        if type(mlp) is not SparseMoe or mlp.shared_expert is not None:
+            raise Unsupported(f"layer {index}: {type(mlp).__name__} is not a routed MoE without a shared expert")
+        self.mlp, self.moe_layer = mlp, mlp.layer
+        d = self.native = native.load_kernel().DecodeLayer()
+        d.hidden, d.heads, d.kv_heads, d.head_dim = attn.q_proj.in_features, attn.num_heads, attn.num_kv_heads, attn.head_dim
+        d.eps, d.scale = float(layer.input_layernorm.eps), attn.scale
+        if float(layer.post_attention_layernorm.eps) != d.eps or (attn.qk_norm and float(attn.q_norm.eps) != d.eps):
+            raise Unsupported(f"layer {index}: its norms have different epsilons")
+        d.input_norm = layer.input_layernorm.weight.detach().float().contiguous()
+        d.post_norm = layer.post_attention_layernorm.weight.detach().float().contiguous()
+        if attn.qk_norm:
+            d.q_norm = attn.q_norm.weight.detach().float().contiguous()
+            d.k_norm = attn.k_norm.weight.detach().float().contiguous()
+        d.q, d.k, d.v, d.o = (_dense(getattr(attn, n), f"layer {index} {n}")
+                              for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        if mlp.gate.weight.dtype != torch.float32:
+            raise Unsupported(f"layer {index}: the router is {mlp.gate.weight.dtype}, not float32")
+        d.router = mlp.gate.weight.detach().contiguous()
+        d.top_k, d.normalize = mlp.top_k, bool(mlp.normalize)
+        self.observers, self.max_tokens = [], DEFAULT_MAX_TOKENS
+        try:
+            executor, self.observers = unwrap_executor(mlp.executor)
+            experts = executor.layers[mlp.layer]
+        except (Unsupported, KeyError) as exc:
+            self.local = False  # the executor is called with the router's output
+            _log.debug("layer %d: experts through the executor: %s", index, exc)
+        else:
+            self.local, self.max_tokens = True, executor.prefill_tokens
+            d.expert_kind, d.group = experts.kind, experts.group_size
+            d.gate_up, d.gate_up_scale, d.gate_up_min, d.down, d.down_scale, d.down_min = experts.native_args()
+        d.check()
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, meta, window: int) -> None:
+        args = (x, cos, sin, kv.device["k"], kv.device["v"], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                window)
+        if self.local:
+            seconds, ids = self.native.forward(*args)
+            for observe in self.observers:
+                observe(self.moe_layer, ids, seconds)
+        else:
+            h, ids, weights = self.native.attention(*args)
+            x += run_routed_experts(self.mlp.executor, self.moe_layer, h, ids, weights)
 
 
 class NativeDecode:
-    """The model's decoder layers as `DecodeLayer`s, built for the model as it is now."""
+    """The model's decoder layers as native `DecodeLayer`s, built for the model as it is now."""
 
     def __init__(self, model: nn.Module):
         if native.load_kernel() is None:
@@ -110,17 +135,20 @@ class NativeDecode:
         emb = model.model.embed_tokens.weight
         if emb.device.type != "cpu" or emb.dtype != torch.float32:
             raise Unsupported(f"the model is {emb.dtype} on {emb.device}, not float32 on the CPU")
-        built = [_layer(i, layer, lambda norm: float(norm.eps)) for i, layer in enumerate(model.model.layers)]
-        self.layers = [b[0] for b in built]
-        self.observers = [b[1] for b in built]
-        self.moe_layers = [layer.mlp.layer for layer in model.model.layers]
+        self.layers = [_Layer(i, layer) for i, layer in enumerate(model.model.layers)]
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
         self.final_eps = float(model.model.norm.eps)
         self.rms_norm = native.load_kernel().rms_norm
         # Int8Linear and the executor hand batches above their threshold to GEMMs; so does this path.
-        limits = [b[2] for b in built] + [m.kernel.prefill_tokens for m in model.modules() if isinstance(m, Int8Linear)]
+        limits = [layer.max_tokens for layer in self.layers]
+        limits += [m.kernel.prefill_tokens for m in model.modules() if isinstance(m, Int8Linear)]
         self.max_tokens = min(limits)
         self.steps = 0  # steps served (tests check the path was taken)
+
+    @property
+    def local_experts(self) -> bool:
+        """Whether every layer's experts run inside the native call (else some go through their executor)."""
+        return all(layer.local for layer in self.layers)
 
     def serves(self, step: StepAttention, num_tokens: int) -> bool:
         meta = step.device
@@ -134,11 +162,8 @@ class NativeDecode:
         cos, sin = (c.contiguous() for c in cos_sin)
         window = meta.sliding_window or 0
         self.steps += 1
-        for layer, observers, moe_layer, cache in zip(self.layers, self.observers, self.moe_layers, kv):
-            seconds, ids = layer.forward(x, cos, sin, cache.device["k"], cache.device["v"], meta.slot_mapping,
-                                         meta.block_tables, meta.seq_lens, window)
-            for observe in observers:
-                observe(moe_layer, ids, seconds)
+        for layer, layer_kv in zip(self.layers, kv):
+            layer(x, cos, sin, layer_kv, meta, window)
         return self.rms_norm(x, self.final_norm, self.final_eps)
 
 

@@ -11,7 +11,8 @@
 //
 // Scope: grouped-query attention with rotate-half RoPE (Llama, Mixtral, Qwen2/3-MoE without
 // a shared expert), float32 activations and KV, dense weights f32 or int8, experts in any
-// kind moe_forward takes. tandem/model/native_decode.py decides when a step qualifies and
+// kind moe_forward takes. `attention` stops at the router, for experts that live elsewhere
+// (the split deployment's experts process): the caller sends its outputs to them. tandem/model/native_decode.py decides when a step qualifies and
 // otherwise the model runs its torch path.
 
 #include <pybind11/pybind11.h>
@@ -163,44 +164,48 @@ struct DecodeLayer {
                     router.size(1) == hidden,
                 "DecodeLayer: router must be contiguous f32 [E, hidden]");
     TORCH_CHECK(top_k > 0 && top_k <= router.size(0), "DecodeLayer: top_k must be in [1, E]");
-    TORCH_CHECK(gate_up.defined() && gate_up.dim() == 3 && gate_up.size(0) == router.size(0) && down.defined() &&
-                    down.dim() == 3 && down.size(0) == router.size(0) && down.size(1) == hidden,
-                "DecodeLayer: experts must be gate_up [E, 2I, *] and down [E, hidden, *] for the router's E");
+    TORCH_CHECK(gate_up.defined() == down.defined(), "DecodeLayer: gate_up and down come together");
+    if (gate_up.defined())  // else the experts are elsewhere: only `attention` runs here
+      TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(0) == router.size(0) && down.dim() == 3 &&
+                      down.size(0) == router.size(0) && down.size(1) == hidden,
+                  "DecodeLayer: experts must be gate_up [E, 2I, *] and down [E, hidden, *] for the router's E");
   }
 
-  // One decode step of T tokens (one per sequence). x [T, hidden] f32, updated in place (the
-  // residual stream); cos/sin [T, head_dim]; caches [blocks, block_size, kv_heads, head_dim] f32;
-  // slots [T], block_tables [T, max_blocks], seq_lens [T] int64. Returns the seconds spent in
-  // the routed experts and the experts each token went to, ids [T, top_k] (for the metrics).
-  std::tuple<double, at::Tensor> forward(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                 at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
-                 const at::Tensor& seq_lens, int64_t sliding_window) const {
+  // The attention half of one decode step of T tokens (one per sequence), up to the router.
+  // x [T, hidden] f32 is the residual stream, updated in place (attention output added);
+  // cos/sin [T, head_dim]; caches [blocks, block_size, kv_heads, head_dim] f32; slots [T],
+  // block_tables [T, max_blocks], seq_lens [T] int64. Returns the experts' input
+  // (post-attention RMSNorm of x) [T, hidden], the experts each token goes to, ids [T, top_k]
+  // int64, and their weights [T, top_k] f32: what an expert executor takes.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> attention(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                                           at::Tensor& k_cache, at::Tensor& v_cache,
+                                                           const at::Tensor& slots, const at::Tensor& block_tables,
+                                                           const at::Tensor& seq_lens, int64_t sliding_window) const {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.scalar_type() == at::kFloat && x.is_contiguous(),
-                "DecodeLayer.forward: x must be contiguous f32 [T, ", hidden, "]");
+                "DecodeLayer: x must be contiguous f32 [T, ", hidden, "]");
     const int64_t T = x.size(0);
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                     sin.is_contiguous() && cos.numel() == T * head_dim && sin.numel() == T * head_dim,
-                "DecodeLayer.forward: cos and sin must be contiguous f32 [T, head_dim]");
+                "DecodeLayer: cos and sin must be contiguous f32 [T, head_dim]");
     for (const at::Tensor* c : {&k_cache, &v_cache})
       TORCH_CHECK(c->scalar_type() == at::kFloat && c->dim() == 4 && c->size(2) == kv_heads &&
                       c->size(3) == head_dim && c->stride(3) == 1,
-                  "DecodeLayer.forward: caches must be f32 [blocks, block_size, kv_heads, head_dim]");
+                  "DecodeLayer: caches must be f32 [blocks, block_size, kv_heads, head_dim]");
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T &&
                     seq_lens.scalar_type() == at::kLong && seq_lens.numel() == T &&
                     block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == T,
-                "DecodeLayer.forward: slots [T], seq_lens [T] and block_tables [T, max_blocks] must be int64");
-    if (T == 0) return {0.0, at::empty({0, top_k}, x.options().dtype(at::kLong))};
+                "DecodeLayer: slots [T], seq_lens [T] and block_tables [T, max_blocks] must be int64");
+    const auto f32 = x.options();
+    at::Tensor h = at::empty({T, hidden}, f32);
+    at::Tensor ids = at::empty({T, top_k}, f32.dtype(at::kLong)), wts = at::empty({T, top_k}, f32);
+    if (T == 0) return {h, ids, wts};
     const int64_t capacity = k_cache.size(0) * k_cache.size(1);
     const int64_t* sp = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t)
-      TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "DecodeLayer.forward: slot ", sp[t], " outside the cache");
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "DecodeLayer: slot ", sp[t], " outside the cache");
 
-    const auto f32 = x.options();
     const float epsf = static_cast<float>(eps);
     const int64_t E = router.size(0), qw = heads * head_dim, kw = kv_heads * head_dim;
-
-    // attention
-    at::Tensor h = at::empty({T, hidden}, f32);
     rms_norm(x.data_ptr<float>(), input_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
     at::Tensor qb = at::empty({T, qw}, f32), kb = at::empty({T, kw}, f32), vb = at::empty({T, kw}, f32);
     q(h, qb);
@@ -219,24 +224,41 @@ struct DecodeLayer {
                                sliding_window, attn);
     at::Tensor ob = at::empty({T, hidden}, f32);
     o(attn.view({T, qw}), ob);
-    float* xp = x.data_ptr<float>();
-    const float* op = ob.data_ptr<float>();
-    for (int64_t i = 0; i < T * hidden; ++i) xp[i] += op[i];
+    add_(x, ob);
 
-    // routed experts
-    rms_norm(xp, post_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
+    rms_norm(x.data_ptr<float>(), post_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
     at::Tensor logits = at::empty({T, E}, f32);
     linear_forward(h, kF32Kind, router, at::Tensor(), logits);
-    at::Tensor ids = at::empty({T, top_k}, x.options().dtype(at::kLong)), wts = at::empty({T, top_k}, f32);
     route(logits.data_ptr<float>(), T, E, top_k, normalize, ids.data_ptr<int64_t>(), wts.data_ptr<float>());
-    const int64_t intermediate = gate_up.size(1) / 2;
-    at::Tensor scratch = at::empty({T * top_k * intermediate}, f32);
+    return {h, ids, wts};
+  }
+
+  // The whole decode step with the routed experts in this process (the layer holds them):
+  // `attention`, then the experts, added to x. Returns the seconds spent in the experts and
+  // the ids [T, top_k] they were called with (for the callers' metrics).
+  std::tuple<double, at::Tensor> forward(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                         int64_t sliding_window) const {
+    TORCH_CHECK(gate_up.defined() && down.defined(), "DecodeLayer.forward: this layer holds no experts");
+    auto [h, ids, wts] = attention(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window);
+    const int64_t T = x.size(0);
+    if (T == 0) return {0.0, ids};
+    at::Tensor out = at::empty_like(h);
+    at::Tensor scratch = at::empty({T * top_k * (gate_up.size(1) / 2)}, h.options());
     const auto start = std::chrono::steady_clock::now();
-    moe_forward(h, ids, wts, expert_kind, group, gate_up, gate_up_scale, gate_up_min, down, down_scale, down_min, ob,
+    moe_forward(h, ids, wts, expert_kind, group, gate_up, gate_up_scale, gate_up_min, down, down_scale, down_min, out,
                 scratch);
     const double expert_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    for (int64_t i = 0; i < T * hidden; ++i) xp[i] += op[i];
+    add_(x, out);
     return {expert_seconds, ids};
+  }
+
+ private:
+  static void add_(at::Tensor& x, const at::Tensor& y) {
+    float* xp = x.data_ptr<float>();
+    const float* yp = y.data_ptr<float>();
+    for (int64_t i = 0, n = x.numel(); i < n; ++i) xp[i] += yp[i];
   }
 };
 
@@ -289,6 +311,9 @@ void bind_decode_layer(pybind11::module& m) {
       .def_readwrite("down_scale", &DecodeLayer::down_scale)
       .def_readwrite("down_min", &DecodeLayer::down_min)
       .def("check", &DecodeLayer::check)
+      .def("attention", &DecodeLayer::attention, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("sliding_window"))
       .def("forward", &DecodeLayer::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
            py::arg("sliding_window"));
