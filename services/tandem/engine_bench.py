@@ -21,11 +21,14 @@ import torch
 
 
 class ExpertTraffic:
-    """Wraps an expert executor to count the bytes of expert weights each call touches."""
+    """Wraps an expert executor to count the bytes of expert weights each call touches.
+
+    The count is taken when `bytes` is read, not during the timed steps: each call only keeps its ids."""
 
     def __init__(self, executor, bytes_per_expert: dict[int, int]):
         self.inner, self.bytes_per_expert = executor, bytes_per_expert
-        self.bytes = 0
+        self._counted = 0
+        self._pending: list[tuple[int, torch.Tensor]] = []
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
         self.observe(layer, topk_ids, 0.0)
@@ -33,7 +36,14 @@ class ExpertTraffic:
 
     def observe(self, layer, topk_ids, seconds: float) -> None:
         """Count a call, also one the native decode path made directly (tandem.model.native_decode)."""
-        self.bytes += int(torch.unique(topk_ids).numel()) * self.bytes_per_expert.get(layer, 0)
+        self._pending.append((layer, topk_ids.clone()))
+
+    @property
+    def bytes(self) -> int:
+        for layer, ids in self._pending:
+            self._counted += int(torch.unique(ids).numel()) * self.bytes_per_expert.get(layer, 0)
+        self._pending.clear()
+        return self._counted
 
 
 def dense_weight_bytes(model) -> int:

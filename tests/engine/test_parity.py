@@ -121,3 +121,10 @@ def test_batch_of_different_lengths_equals_each_alone(arch, demo_model_dir):
         [alone], [alone_logits], _ = tandem_greedy(model_dir, [prompt], 32)
         assert tokens == alone
         assert (logits - alone_logits).abs().max().item() <= 1e-4
+
+
+def test_attention_bias_matches_transformers_float32(demo_model_dir):
+    # Q/K/V biases (Qwen-style attention), added after the fused Q/K/V projection on the native path.
+    engine = assert_float32_matches(demo_model_dir("qwen3_moe", initializer_range=0.2, attention_bias=True), "qwen3_moe")
+    assert engine.model.native_path.steps == NEW_TOKENS - 1
+    assert engine.model.model.layers[0].self_attn.q_proj.bias is not None

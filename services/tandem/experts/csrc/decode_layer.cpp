@@ -53,15 +53,37 @@ struct Dense {
   // out [T, N] = x [T, K] W^T + bias
   void operator()(const at::Tensor& x, at::Tensor& out) const {
     linear_forward(x, kind, weight, kind == kInt8Kind ? scale : at::Tensor(), out);
-    if (bias.defined()) {
-      const float* b = bias.data_ptr<float>();
-      float* o = out.data_ptr<float>();
-      const int64_t T = out.size(0), N = out.size(1);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t n = 0; n < N; ++n) o[t * N + n] += b[n];
-    }
+    add_bias(out);
+  }
+
+  void add_bias(at::Tensor& out) const {
+    if (!bias.defined()) return;
+    const float* b = bias.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    const int64_t T = out.size(0), N = out.size(1);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n) o[t * N + n] += b[n];
   }
 };
+
+// outs = x times each of `ds` (same input); one parallel region when they share a storage kind.
+void project(const at::Tensor& x, std::initializer_list<const Dense*> ds, std::vector<at::Tensor>& outs) {
+  const int64_t kind = (*ds.begin())->kind;
+  bool same = true;
+  for (const Dense* d : ds) same = same && d->kind == kind;
+  size_t i = 0;
+  if (!same) {
+    for (const Dense* d : ds) (*d)(x, outs[i++]);
+    return;
+  }
+  std::vector<at::Tensor> ws, scales;
+  for (const Dense* d : ds) {
+    ws.push_back(d->weight);
+    if (kind == kInt8Kind) scales.push_back(d->scale);
+  }
+  linear_forward_multi(x, kind, ws, scales, outs);
+  for (const Dense* d : ds) d->add_bias(outs[i++]);
+}
 
 // out[r] = w * (x[r] / rms(x[r])) for `rows` rows of width n, as transformers' RMSNorm in float32:
 // the mean of squares, rsqrt(mean + eps), the product, then the weight.
@@ -207,10 +229,9 @@ struct DecodeLayer {
     const float epsf = static_cast<float>(eps);
     const int64_t E = router.size(0), qw = heads * head_dim, kw = kv_heads * head_dim;
     rms_norm(x.data_ptr<float>(), input_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
-    at::Tensor qb = at::empty({T, qw}, f32), kb = at::empty({T, kw}, f32), vb = at::empty({T, kw}, f32);
-    q(h, qb);
-    k(h, kb);
-    v(h, vb);
+    std::vector<at::Tensor> qkv{at::empty({T, qw}, f32), at::empty({T, kw}, f32), at::empty({T, kw}, f32)};
+    project(h, {&q, &k, &v}, qkv);
+    at::Tensor &qb = qkv[0], &kb = qkv[1], &vb = qkv[2];
     if (q_norm.defined()) {
       rms_norm(qb.data_ptr<float>(), q_norm.data_ptr<float>(), qb.data_ptr<float>(), T * heads, head_dim, epsf);
       rms_norm(kb.data_ptr<float>(), k_norm.data_ptr<float>(), kb.data_ptr<float>(), T * kv_heads, head_dim, epsf);

@@ -316,21 +316,35 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   });
 }
 
-// out [T, N] f32 = x [T, K] times the rows of w [N, K]: a dense layer (attention projection,
-// dense MLP, LM head) in f32, bf16 or int8 (per-row f32 scale) storage. Each row is read once
-// for all T tokens, two rows at a time, as for the experts; int8 rows take Q8 activations when
-// K is whole 32-blocks.
-void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& scale, at::Tensor& out) {
+// outs[i] [T, N_i] f32 = x [T, K] times the rows of ws[i] [N_i, K], all in one storage kind:
+// dense layers (attention projections, dense MLP, LM head) in f32, bf16 or int8 (per-row f32
+// scale) storage. Each row is read once for all T tokens, two rows at a time, as for the experts;
+// int8 rows take Q8 activations when K is whole 32-blocks. Several matrices that read the same x
+// (Q, K and V) are one parallel region over all their rows, with x quantized once.
+void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<at::Tensor>& ws,
+                          const std::vector<at::Tensor>& scales, std::vector<at::Tensor>& outs) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous f32 [T, K]");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [N, K]");
   TORCH_CHECK(kind == kF32 || kind == kBF16 || kind == kInt8, "dense weights must be f32, bf16 or int8");
-  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == T &&
-                  out.size(1) == N,
-              "out must be contiguous f32 [T, N]");
-  const at::Tensor w3 = w.view({1, N, w.size(1)});
-  const Mat m = make_mat(kind, w3, scale, scale, K, 32);
-  if (T == 0 || N == 0) return;
+  TORCH_CHECK(ws.size() == outs.size() && (scales.empty() || scales.size() == ws.size()),
+              "one output (and scale, for int8) per weight");
+  const int64_t T = x.size(0), K = x.size(1), S = static_cast<int64_t>(ws.size());
+  std::vector<Mat> mats;
+  std::vector<float*> o(S);
+  std::vector<int64_t> first_pair(S + 1, 0);  // work items: row pairs, segment by segment
+  for (int64_t i = 0; i < S; ++i) {
+    const at::Tensor& w = ws[i];
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == K, "w must be contiguous [N, K]");
+    const int64_t N = w.size(0);
+    at::Tensor& out = outs[i];
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == T &&
+                    out.size(1) == N,
+                "out must be contiguous f32 [T, N]");
+    const at::Tensor scale = scales.empty() ? at::Tensor() : scales[i];
+    mats.push_back(make_mat(kind, w.view({1, N, K}), scale, scale, K, 32));
+    o[i] = out.data_ptr<float>();
+    first_pair[i + 1] = first_pair[i] + (N + 1) / 2;
+  }
+  if (T == 0 || first_pair[S] == 0) return;
   const QuantizeAct quantize = kind == kInt8 && K % 32 == 0 ? quantize_for_isa() : nullptr;
   static thread_local ActRows rows_buf;
   ActRows& rows = rows_buf;  // the workers must see this thread's buffers, not their own
@@ -339,23 +353,33 @@ void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, cons
   rows.fill(x.data_ptr<float>(), identity, K, 32, kind, quantize);
   const RowDot row_dot = row_dot_for_isa();
   const RowDot2 row_dot2 = row_dot2_for_isa();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, first_pair[S], 8, [&](int64_t p0, int64_t p1) {
     std::vector<float> r0(T), r1(T);
+    int64_t seg = 0;
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n = 2 * p;
+      while (p >= first_pair[seg + 1]) ++seg;
+      const Mat& m = mats[seg];
+      const int64_t N = m.rows, n = 2 * (p - first_pair[seg]);
+      float* out = o[seg];
       if (n + 1 < N) {
         row_dot2(m, 0, n, n + 1, rows.rows.data(), T, r0.data(), r1.data());
         for (int64_t t = 0; t < T; ++t) {
-          o[t * N + n] = r0[t];
-          o[t * N + n + 1] = r1[t];
+          out[t * N + n] = r0[t];
+          out[t * N + n + 1] = r1[t];
         }
       } else {
         row_dot(m, 0, n, rows.rows.data(), T, r0.data());
-        for (int64_t t = 0; t < T; ++t) o[t * N + n] = r0[t];
+        for (int64_t t = 0; t < T; ++t) out[t * N + n] = r0[t];
       }
     }
   });
+}
+
+// out [T, N] f32 = x [T, K] times the rows of w [N, K] (see linear_forward_multi).
+void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& scale, at::Tensor& out) {
+  std::vector<at::Tensor> outs{out};
+  linear_forward_multi(x, kind, {w}, kind == kInt8 ? std::vector<at::Tensor>{scale} : std::vector<at::Tensor>{},
+                       outs);
 }
 
 }  // namespace tandem

@@ -5,6 +5,8 @@
 
 #include <torch/extension.h>
 
+#include <vector>
+
 namespace tandem {
 
 void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, int64_t kind, int64_t group,
@@ -12,6 +14,9 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
                  const at::Tensor& dn_scale, const at::Tensor& dn_min, at::Tensor& out, at::Tensor& scratch);
 
 void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& scale, at::Tensor& out);
+
+void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<at::Tensor>& ws,
+                          const std::vector<at::Tensor>& scales, std::vector<at::Tensor>& outs);
 
 // out [B, H, Dv] = paged decode attention of q [B, H, D] (see paged_attention.cpp), f32 only.
 void paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
