@@ -13,7 +13,7 @@ import torch
 
 from tandem.experts import native
 from tandem.experts.base import ExpertWeights
-from tandem.experts.cpu_executor import CpuExpertExecutor
+from tandem.experts.cpu_executor import PREFILL_TOKENS, CpuExpertExecutor
 from tandem.experts.factory import make_expert_executor
 from tandem.experts.quant import dequantize
 from tandem.experts.torch_executor import TorchExpertExecutor
@@ -58,8 +58,9 @@ def dequantized_reference(ex: CpuExpertExecutor, layer: int) -> TorchExpertExecu
     return TorchExpertExecutor({layer: ExpertWeights(dequantize(p.gate_up), dequantize(p.down))})
 
 
-# Tokens: 1 (decode), 5 (a tile of 4 plus 1), 40 (above prefill_tokens: the GEMM path).
-@pytest.mark.parametrize("tokens", [1, 5, 40])
+# Tokens: 1 (decode), 5 (a tile of 4 plus 1), 40 (float weights: above prefill_tokens, the GEMM
+# path), 400 (quantized weights: the GEMM path on dequantized experts).
+@pytest.mark.parametrize("tokens", [1, 5, 40, 400])
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_native_equals_reference_on_the_same_weights(layers, kernel_module, quant, tokens):
     ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2)
@@ -67,6 +68,7 @@ def test_native_equals_reference_on_the_same_weights(layers, kernel_module, quan
     got = ex.forward(5, hidden, ids, weights)
     want = dequantized_reference(ex, 5).forward(5, hidden, ids, weights)
     assert got.shape == (tokens, H) and got.dtype == torch.float32
+    assert ex.prefill_tokens == PREFILL_TOKENS[quant]
     assert_kernel_close(got, want, quant, gemm=tokens > ex.prefill_tokens)
 
 

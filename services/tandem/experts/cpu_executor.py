@@ -22,6 +22,12 @@ from tandem.experts.routing import check_batch, group_by_expert
 from tandem.experts.torch_kernels import Stored, decode_linear, moe_with_linears, prefill_linear
 
 KERNELS = ("auto", "native", "torch")
+# Tokens per call above which the GEMM path takes over, per storage, where the caller does not
+# say. Quantized experts are dequantized per call for the GEMM, which costs more than the native
+# kernel saves until batches of ~400-600 tokens (int4 / int8; 8 experts of 1024 x 2816, 2 cores:
+# native 59 ms against 110-190 ms at 128 tokens, crossing at 512-1024); float weights cross at
+# 64-128, and bf16 meets MKL's bf16 GEMM, so those stay at 32.
+PREFILL_TOKENS = {"none": 32, "int8": 384, "int4": 384}
 _KIND = {torch.float32: 0, torch.bfloat16: 1, Int8Weight: 2, Int4Weight: 3}
 _EMPTY = torch.empty(0)
 
@@ -59,7 +65,8 @@ class CpuExpertExecutor:
     `threads` defaults to the cores this process was given; it sets torch's intra-op threads,
     which both the native kernel and the torch kernels use. `kernel`: "native" (fail when it
     cannot be built), "torch" (torch's kernels only) or "auto" (native when it builds).
-    Batches of more than `prefill_tokens` tokens use the GEMM path.
+    Batches of more than `prefill_tokens` tokens (default: `PREFILL_TOKENS` for the storage) use
+    the GEMM path.
     """
 
     def __init__(
@@ -70,13 +77,15 @@ class CpuExpertExecutor:
         quant: str = "none",
         kernel: str = "auto",
         group_size: int = 32,
-        prefill_tokens: int = 32,
+        prefill_tokens: int | None = None,
     ):
         check_quant(quant)
         if kernel not in KERNELS:
             raise ValueError(f"unknown expert kernel {kernel!r}; choose one of {KERNELS}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if prefill_tokens is None:
+            prefill_tokens = PREFILL_TOKENS[quant]
         if prefill_tokens < 0:
             raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
         self.threads = threads or available_cores()

@@ -109,7 +109,7 @@ class _Layer:
             self.local = False  # the executor is called with the router's output
             _log.debug("layer %d: experts through the executor: %s", index, exc)
         else:
-            self.local, self.max_tokens = True, executor.prefill_tokens
+            self.local, self.max_tokens = True, min(executor.prefill_tokens, DEFAULT_MAX_TOKENS)
             d.expert_kind, d.group = experts.kind, experts.group_size
             d.gate_up, d.gate_up_scale, d.gate_up_min, d.down, d.down_scale, d.down_min = experts.native_args()
         d.check()
