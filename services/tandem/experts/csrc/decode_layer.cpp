@@ -334,10 +334,10 @@ void bind_decode_layer(pybind11::module& m) {
       .def("check", &DecodeLayer::check)
       .def("attention", &DecodeLayer::attention, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
-           py::arg("sliding_window"))
+           py::arg("sliding_window"), py::call_guard<py::gil_scoped_release>())
       .def("forward", &DecodeLayer::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
-           py::arg("sliding_window"));
+           py::arg("sliding_window"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace tandem

@@ -386,8 +386,12 @@ void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, cons
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Tandem's fused CPU kernel for routed experts";
-  m.def("moe_forward", &tandem::moe_forward, "fused routed-expert forward into out [T, H]");
-  m.def("linear_forward", &tandem::linear_forward, "dense layer x [T, K] times w [N, K] into out [T, N]");
+  // The kernels run without the GIL: the server's other threads (gRPC, health checks, the token
+  // streams) go on while a step computes.
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("moe_forward", &tandem::moe_forward, "fused routed-expert forward into out [T, H]", release_gil());
+  m.def("linear_forward", &tandem::linear_forward, "dense layer x [T, K] times w [N, K] into out [T, N]",
+        release_gil());
   m.def("set_isa", &tandem::set_isa, "force an instruction set: scalar, avx2 or avx512");
   m.def("isa", [] { return tandem::g_isa; }, "the instruction set in use");
   m.def("supported_isas", &tandem::supported_isas, "instruction sets this CPU can run");
