@@ -1,11 +1,12 @@
-"""Where one decode step's time goes: routed experts, int8 dense layers, the rest of the model's
-forward, and the engine outside it, on the comparison checkpoint.
+"""Where one decode step's time goes, on the native decode path and on the torch path it replaces,
+in the same process, on the comparison checkpoint.
 
-    python benchmarks/step_profile.py [--checkpoint DIR] [--threads 1] [--expert-quant int8] [--dense-quant int8]
+    python benchmarks/step_profile.py [--checkpoint DIR] [--threads 2] [--expert-quant int8] [--dense-quant int8]
 
-Wall-clock timers around the expert executor, every int8 dense layer and the model's forward and
-logits, over 40-step decode windows of one stream (best of 3). One thread by default, so the
-split is not distorted by waits at the end of parallel regions.
+Wall-clock timers around the routed experts (seen through an observing executor wrapper, as the
+serving metrics see them), the model's forward and its logits, and the attention metadata, over
+40-step decode windows of one stream, best of 3 per path, the paths alternating. The native
+path's "rest of forward" is the dense layers, attention and glue inside the native layer calls.
 """
 
 from __future__ import annotations
@@ -29,44 +30,64 @@ def timed(acc: dict, key: str, fn):
     return wrapper
 
 
+class ExpertTimer:
+    """An observing wrapper: the native path reports its expert calls to `observe`, the torch path
+    calls `forward`; both land in acc["experts"]."""
+
+    def __init__(self, inner, acc: dict):
+        self.inner, self.acc = inner, acc
+        self.forward = timed(acc, "experts", inner.forward)
+
+    def observe(self, layer, topk_ids, seconds: float) -> None:
+        self.acc["experts"] += seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, default=CACHE / "compare-mixtral")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--expert-quant", default="int8")
     ap.add_argument("--dense-quant", default="int8")
     args = ap.parse_args()
 
     import torch
 
-    import tandem.model.quant_linear as ql
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype="float32", expert_threads=args.threads,
-                                       expert_quant=args.expert_quant)
-    ql.quantize_dense_(engine.model, args.dense_quant)
+                                       expert_quant=args.expert_quant, dense_quant=args.dense_quant)
     torch.set_num_threads(args.threads)
-    engine.add_request("profile", list(range(5, 37)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    acc = dict.fromkeys(("experts", "model_forward", "logits", "metadata"), 0.0)
+    model = engine.model
+    timer = ExpertTimer(model.model.layers[0].mlp.executor, acc)
+    for layer in model.model.layers:
+        layer.mlp.executor = timer
+    model.forward = timed(acc, "model_forward", model.forward)
+    model.compute_logits = timed(acc, "logits", model.compute_logits)
+    engine.runner._step_attention = timed(acc, "metadata", engine.runner._step_attention)
+    engine.add_request("profile", list(range(5, 37)), SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
     for _ in range(5):  # prefill and warm-up
         engine.step()
-    acc = dict.fromkeys(("experts", "dense_int8", "model_forward", "logits"), 0.0)
-    executor = engine.model.model.layers[0].mlp.executor
-    executor.forward = timed(acc, "experts", executor.forward)
-    ql.Int8Kernel.__call__ = timed(acc, "dense_int8", ql.Int8Kernel.__call__)
-    engine.model.forward = timed(acc, "model_forward", engine.model.forward)
-    engine.model.compute_logits = timed(acc, "logits", engine.model.compute_logits)
-    best = None
+    best: dict[str, dict] = {}
     for _ in range(3):
-        acc.update(dict.fromkeys(acc, 0.0))
-        steps, start = 40, time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        row = {"step_ms": (time.perf_counter() - start) / steps * 1e3, **{k: v / steps * 1e3 for k, v in acc.items()}}
-        if best is None or row["step_ms"] < best["step_ms"]:
-            best = row
-    best["load_average"] = os.getloadavg()[0]
-    print(json.dumps({k: round(v, 2) for k, v in best.items()}))
+        for path in ("native", "torch"):
+            model.native_decode = path == "native"
+            engine.step()  # the first step after a switch builds or drops the native layers
+            acc.update(dict.fromkeys(acc, 0.0))
+            steps, start = 40, time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            row = {"step_ms": (time.perf_counter() - start) / steps * 1e3, **{k: v / steps * 1e3 for k, v in acc.items()}}
+            row["rest_of_forward"] = row["model_forward"] - row["experts"]
+            row["outside_forward"] = row["step_ms"] - row["model_forward"] - row["logits"]
+            if path not in best or row["step_ms"] < best[path]["step_ms"]:
+                best[path] = row
+    assert model.native_path is not None, "the native decode path did not serve this model"
+    out = {path: {k: round(v, 2) for k, v in row.items()} for path, row in best.items()}
+    out["torch_over_native"] = round(best["torch"]["step_ms"] / best["native"]["step_ms"], 2)
+    out["load_average"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
