@@ -130,8 +130,10 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
     single = run_requests(engine, prompts(1), gen_len)
     decode_steps = len(single["itl"])
     decode_s = sum(single["itl"])
+    native = engine.model.native_path  # tandem.model.native_decode: None when the torch layers decode
     result = {
         "prompt_len": prompt_len, "gen_len": gen_len,
+        "decode_path": "native" if native is not None and native.steps else "torch",
         "prefill_tok_s": prompt_len / prefill_s,
         "decode_tok_s": decode_steps / decode_s if decode_s else float("nan"),
         "ttft_s": single["ttft"][0],

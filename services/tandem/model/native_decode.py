@@ -185,10 +185,21 @@ def _own_forward(executor):
     return None
 
 
+_last_message: str | None = None
+
+
 def build(model: nn.Module) -> NativeDecode | None:
-    """The native decode path for `model`, or None (logged once per reason) when it cannot take it."""
+    """The native decode path for `model`, or None when it cannot take it (logged, once per outcome)."""
+    global _last_message
     try:
-        return NativeDecode(model)
+        path = NativeDecode(model)
     except Unsupported as exc:
-        _log.debug("native decode path off: %s", exc)
-        return None
+        path, message = None, f"native decode path off, decode runs the torch layers: {exc}"
+    else:
+        where = "inside the call" if path.local_experts else "through the expert executor"
+        message = (f"native decode path on: {len(path.layers)} layers, experts {where}, "
+                   f"up to {path.max_tokens} tokens a step")
+    if message != _last_message:
+        _log.info(message)
+        _last_message = message
+    return path
