@@ -124,3 +124,18 @@ def test_decode_layer_rejects_bad_input_and_leaves_the_cache_alone(demo_model_di
     with pytest.raises(RuntimeError, match="slot 64 outside the cache"):
         layer.forward(x, cos, sin, k_cache, v_cache, torch.tensor([64]), tables, lens, 0)
     assert torch.equal(x, before) and not k_cache.any() and not v_cache.any()
+
+
+def test_swapping_layers_after_the_first_step_rebuilds_the_native_layers(demo_model_dir):
+    from tandem.model.quant_linear import quantize_dense_
+
+    e = engine_for(demo_model_dir("mixtral"))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    e.generate([[5, 6, 7]], params)
+    before = e.model.native_path
+    assert before.layers[0].native.q.kind == 0  # float32 projections
+    quantize_dense_(e.model, "int8")
+    e.generate([[5, 6, 7]], params)
+    after = e.model.native_path
+    assert after is not before and after.steps == params.max_tokens - 1
+    assert after.layers[0].native.q.kind == 2 and after.layers[0].native.q.weight.dtype == torch.int8

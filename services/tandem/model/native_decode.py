@@ -64,7 +64,8 @@ def _dense(module: nn.Module, name: str):
     elif isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
         d.kind, d.weight = _F32, module.weight.detach().contiguous()
     else:
-        raise Unsupported(f"{name} is {type(module).__name__} ({getattr(module, 'weight', None).dtype}), "
+        weight = getattr(module, "weight", None)
+        raise Unsupported(f"{name} is {type(module).__name__} ({getattr(weight, 'dtype', 'no weight')}), "
                           "not a float32 or int8 linear layer")
     if module.bias is not None:
         d.bias = module.bias.detach().float().contiguous()
@@ -168,12 +169,14 @@ class NativeDecode:
 
 
 def signature(model: nn.Module) -> tuple:
-    """What `NativeDecode` was built from: the modules and executors it took weights from."""
+    """What `NativeDecode` was built from: the modules and executors it took weights from, held (not
+    their ids, which a new object could reuse) and compared by identity."""
     sig = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        sig.append((id(attn), id(mlp), *(id(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
-                    id(getattr(mlp, "executor", None)), id(_own_forward(getattr(mlp, "executor", None)))))
+        executor = getattr(mlp, "executor", None)
+        sig.append((attn, mlp, *(getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                    executor, _own_forward(executor)))
     return tuple(sig)
 
 
