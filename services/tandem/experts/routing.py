@@ -30,8 +30,10 @@ def check_batch(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         raise ValueError(f"topk_ids must be int64, got {topk_ids.dtype}")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
-    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
-        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got {topk_ids.min()}..{topk_ids.max()}")
+    if topk_ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(topk_ids))  # one pass: this runs once per layer per step
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids must lie in [0, {num_experts}), got {lo}..{hi}")
 
 
 def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> ExpertGroups:

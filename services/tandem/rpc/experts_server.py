@@ -48,8 +48,10 @@ def check_forward(info: experts_pb2.ExpertsInfo, layer: int, hidden: torch.Tenso
     check_forward_tensors(hidden, topk_ids, topk_weights)
     if hidden.shape[1] != info.hidden_size:
         raise BadTensor("hidden", f"hidden size {hidden.shape[1]}, this model has {info.hidden_size}")
-    if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < info.num_experts:
-        raise BadTensor("topk_ids", f"expert ids must be in [0, {info.num_experts})")
+    if topk_ids.numel():
+        lo, hi = torch.aminmax(topk_ids)  # one pass: this runs once per layer per step
+        if not 0 <= int(lo) <= int(hi) < info.num_experts:
+            raise BadTensor("topk_ids", f"expert ids must be in [0, {info.num_experts})")
 
 
 class NotLoaded(RuntimeError):
