@@ -173,8 +173,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     }
   });
 
-  // Merge each head's chunk partials: rescale to the common max, sum, normalise.
-  at::parallel_for(0, B * H, 16, [&](int64_t w0, int64_t w1) {
+  // Merge each head's chunk partials: rescale to the common max, sum, normalise. A few heads of
+  // one chunk each (short-context decode) are a few microseconds' work: done inline rather than
+  // waking a worker thread for them.
+  const int64_t merge_grain = std::max<int64_t>(16, 16384 / (chunks * (Dv + 2)));
+  at::parallel_for(0, B * H, merge_grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> acc(Dv);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / H, h = w % H;
