@@ -9,13 +9,13 @@ from torch import nn
 from tandem.experts.base import ExpertExecutor
 from tandem.kv.cache import KVCache
 from tandem.kv.tiered import LayerKV, StepAttention
+from tandem.model import native_decode
 from tandem.model.attention import Attention
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek_attention import MlaAttention
 from tandem.model.deepseek_moe import DeepseekMoe
 from tandem.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from tandem.model.moe import SparseMoe
-from tandem.model import native_decode
 
 # Per architecture: (attention class, sparse MoE block class); others use (Attention, SparseMoe).
 _BLOCKS = {"DeepseekV3ForCausalLM": (MlaAttention, DeepseekMoe)}
