@@ -89,27 +89,24 @@ def test_int4_groups_wider_than_a_block_on_every_instruction_set(kernel_module, 
     i = 256  # a multiple of 128
     wide = {3: ExpertWeights(torch.randn(E, 2 * i, H, generator=g) / H**0.5, torch.randn(E, H, i, generator=g) / i**0.5)}
     ex = CpuExpertExecutor(wide, quant="int4", group_size=group_size, kernel="native", threads=2)
-    hidden, ids, weights = batch(5, seed=3)
-    want = dequantized_reference(ex, 3).forward(3, hidden, ids, weights)
-    before = kernel_module.isa()
-    try:
-        for isa in kernel_module.supported_isas():
-            kernel_module.set_isa(isa)
-            assert_kernel_close(ex.forward(3, hidden, ids, weights), want, "int4", isa=isa)
-    finally:
-        kernel_module.set_isa(before)
+    assert_every_isa_matches_reference(kernel_module, ex, "int4", batch(5, seed=3))
 
 
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_every_instruction_set_gives_the_same_result(layers, kernel_module, quant):
     ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2)
-    hidden, ids, weights = batch(6, seed=2)
-    want = dequantized_reference(ex, 3).forward(3, hidden, ids, weights)
+    assert_every_isa_matches_reference(kernel_module, ex, quant, batch(6, seed=2))
+
+
+def assert_every_isa_matches_reference(kernel_module, ex: CpuExpertExecutor, quant: str, routed, layer: int = 3):
+    """Layer `layer` of `ex` on each instruction set this CPU has, against the dequantized reference."""
+    hidden, ids, weights = routed
+    want = dequantized_reference(ex, layer).forward(layer, hidden, ids, weights)
     before = kernel_module.isa()
     try:
         for isa in kernel_module.supported_isas():
             kernel_module.set_isa(isa)
-            assert_kernel_close(ex.forward(3, hidden, ids, weights), want, quant, isa=isa)
+            assert_kernel_close(ex.forward(layer, hidden, ids, weights), want, quant, isa=isa)
     finally:
         kernel_module.set_isa(before)
 

@@ -28,7 +28,8 @@ KERNELS = ("auto", "native", "torch")
 # native 59 ms against 110-190 ms at 128 tokens, crossing at 512-1024); float weights cross at
 # 64-128, and bf16 meets MKL's bf16 GEMM, so those stay at 32.
 PREFILL_TOKENS = {"none": 32, "int8": 384, "int4": 384}
-_KIND = {torch.float32: 0, torch.bfloat16: 1, Int8Weight: 2, Int4Weight: 3}
+_KIND = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16, Int8Weight: native.KIND_INT8,
+         Int4Weight: native.KIND_INT4}
 _EMPTY = torch.empty(0)
 
 

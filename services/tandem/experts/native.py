@@ -22,6 +22,9 @@ import sys
 import threading
 from pathlib import Path
 
+# How a weight matrix is stored, as the kernels' `kind` argument takes it (csrc/ops.h's Kind).
+KIND_F32, KIND_BF16, KIND_INT8, KIND_INT4 = 0, 1, 2, 3
+
 _CSRC = Path(__file__).parent / "csrc"
 _NAME = "tandem_moe_cpu"
 _log = logging.getLogger(__name__)

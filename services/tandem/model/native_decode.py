@@ -33,7 +33,6 @@ from tandem.model.moe import SparseMoe, run_routed_experts
 from tandem.model.quant_linear import Int8Linear
 
 _log = logging.getLogger(__name__)
-_F32, _INT8 = 0, 2  # the native kernel's weight kinds
 
 
 class Unsupported(ValueError):
@@ -60,9 +59,9 @@ def unwrap_executor(executor) -> tuple[CpuExpertExecutor, list]:
 def _dense(module: nn.Module, name: str):
     d = native.load_kernel().Dense()
     if isinstance(module, Int8Linear):
-        d.kind, d.weight, d.scale = _INT8, module.kernel.q, module.kernel.scale
+        d.kind, d.weight, d.scale = native.KIND_INT8, module.kernel.q, module.kernel.scale
     elif isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
-        d.kind, d.weight = _F32, module.weight.detach().contiguous()
+        d.kind, d.weight = native.KIND_F32, module.weight.detach().contiguous()
     else:
         weight = getattr(module, "weight", None)
         raise Unsupported(f"{name} is {type(module).__name__} ({getattr(weight, 'dtype', 'no weight')}), "

@@ -34,7 +34,6 @@ from tandem.experts.torch_kernels import Int8Linear as TorchInt8Linear
 DENSE_QUANTS = contract.DENSE_QUANTS
 # Never quantized: routers (routing flips), and weights read raw by their module (see above).
 KEEP_FULL_PRECISION = ("gate", "shared_expert_gate", "kv_b_proj")
-_INT8 = 2  # the native kernel's weight kind for int8 rows
 _TENSOR_METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.device.__get__, torch.Tensor.size, torch.Tensor.dim,
     torch.Tensor.numel, torch.Tensor.ndim.__get__, torch.Tensor.is_contiguous,
@@ -99,7 +98,7 @@ class Int8Kernel:
             y = F.linear(x32, self.q.float() * self.scale[:, None])  # [T, N]
         elif self.native is not None:
             y = torch.empty((t, self.q.shape[0]), dtype=torch.float32)  # [T, N]
-            self.native.linear_forward(x32, _INT8, self.q, self.scale, y)
+            self.native.linear_forward(x32, native.KIND_INT8, self.q, self.scale, y)
         else:
             y = self.torch_decode(0, x32)  # [T, N]
         if bias is not None:

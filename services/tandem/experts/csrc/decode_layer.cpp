@@ -29,12 +29,10 @@
 namespace tandem {
 namespace {
 
-constexpr int64_t kF32Kind = 0, kInt8Kind = 2;
-
 // A dense projection: weight [N, K] in f32 (kind 0) or int8 rows with f32 scales (kind 2),
 // optional bias [N].
 struct Dense {
-  int64_t kind = kF32Kind;
+  int64_t kind = kF32;
   at::Tensor weight, scale, bias;
 
   int64_t out_features() const { return weight.size(0); }
@@ -42,8 +40,8 @@ struct Dense {
   void check(const char* name, int64_t in_features) const {
     TORCH_CHECK(weight.defined() && weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == in_features,
                 name, ": weight must be contiguous [N, ", in_features, "]");
-    TORCH_CHECK((kind == kF32Kind && weight.scalar_type() == at::kFloat) ||
-                    (kind == kInt8Kind && weight.scalar_type() == at::kChar && scale.defined() &&
+    TORCH_CHECK((kind == kF32 && weight.scalar_type() == at::kFloat) ||
+                    (kind == kInt8 && weight.scalar_type() == at::kChar && scale.defined() &&
                      scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0)),
                 name, ": weight must be f32 (kind 0) or int8 with f32 row scales (kind 2)");
     TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.numel() == weight.size(0)), name,
@@ -52,7 +50,7 @@ struct Dense {
 
   // out [T, N] = x [T, K] W^T + bias
   void operator()(const at::Tensor& x, at::Tensor& out) const {
-    linear_forward(x, kind, weight, kind == kInt8Kind ? scale : at::Tensor(), out);
+    linear_forward(x, kind, weight, kind == kInt8 ? scale : at::Tensor(), out);
     add_bias(out);
   }
 
@@ -79,7 +77,7 @@ void project(const at::Tensor& x, std::initializer_list<const Dense*> ds, std::v
   std::vector<at::Tensor> ws, scales;
   for (const Dense* d : ds) {
     ws.push_back(d->weight);
-    if (kind == kInt8Kind) scales.push_back(d->scale);
+    if (kind == kInt8) scales.push_back(d->scale);
   }
   linear_forward_multi(x, kind, ws, scales, outs);
   for (const Dense* d : ds) d->add_bias(outs[i++]);
@@ -249,7 +247,7 @@ struct DecodeLayer {
 
     rms_norm(x.data_ptr<float>(), post_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
     at::Tensor logits = at::empty({T, E}, f32);
-    linear_forward(h, kF32Kind, router, at::Tensor(), logits);
+    linear_forward(h, kF32, router, at::Tensor(), logits);
     route(logits.data_ptr<float>(), T, E, top_k, normalize, ids.data_ptr<int64_t>(), wts.data_ptr<float>());
     return {h, ids, wts};
   }

@@ -22,7 +22,6 @@
 
 namespace tandem {
 
-enum Kind : int64_t { kF32 = 0, kBF16 = 1, kInt8 = 2, kInt4 = 3 };
 constexpr int kTile = 4;  // tokens multiplied per weight-row read
 
 // One projection's stacked weights [E, rows, K] in one storage format.

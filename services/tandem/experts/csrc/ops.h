@@ -9,6 +9,9 @@
 
 namespace tandem {
 
+// How a weight matrix is stored (tandem.experts.native.KIND_* on the Python side).
+enum Kind : int64_t { kF32 = 0, kBF16 = 1, kInt8 = 2, kInt4 = 3 };
+
 void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, int64_t kind, int64_t group,
                  const at::Tensor& gu, const at::Tensor& gu_scale, const at::Tensor& gu_min, const at::Tensor& dn,
                  const at::Tensor& dn_scale, const at::Tensor& dn_min, at::Tensor& out, at::Tensor& scratch);
