@@ -6,7 +6,8 @@ in the same process, on the comparison checkpoint.
 Wall-clock timers around the routed experts (seen through an observing executor wrapper, as the
 serving metrics see them), the model's forward and its logits, and the attention metadata, over
 40-step decode windows of one stream, best of 3 per path, the paths alternating. The native
-path's "rest of forward" is the dense layers, attention and glue inside the native layer calls.
+path's "rest of forward" is the dense layers, attention and glue inside the native layer calls;
+its `native.*` entries split the native calls by phase (DecodeLayer's own clock), all layers together.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ def main() -> None:
 
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
+    from tandem.experts import native
 
     engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype="float32", expert_threads=args.threads,
                                        expert_quant=args.expert_quant, dense_quant=args.dense_quant)
     torch.set_num_threads(args.threads)
     acc = dict.fromkeys(("experts", "model_forward", "logits", "metadata"), 0.0)
     model = engine.model
+    kernel = native.load_kernel()
     timer = ExpertTimer(model.model.layers[0].mlp.executor, acc)
     for layer in model.model.layers:
         layer.mlp.executor = timer
@@ -75,10 +78,16 @@ def main() -> None:
             model.native_decode = path == "native"
             engine.step()  # the first step after a switch builds or drops the native layers
             acc.update(dict.fromkeys(acc, 0.0))
+            kernel.set_decode_profile(path == "native")
             steps, start = 40, time.perf_counter()
             for _ in range(steps):
                 engine.step()
             row = {"step_ms": (time.perf_counter() - start) / steps * 1e3, **{k: v / steps * 1e3 for k, v in acc.items()}}
+            if path == "native":  # inside the native layer calls, all layers together
+                phases = kernel.decode_profile()
+                kernel.set_decode_profile(False)
+                assert phases.pop("calls") == steps * len(model.model.layers)
+                row.update({f"native.{k}": v / steps * 1e3 for k, v in phases.items()})
             row["rest_of_forward"] = row["model_forward"] - row["experts"]
             row["outside_forward"] = row["step_ms"] - row["model_forward"] - row["logits"]
             if path not in best or row["step_ms"] < best[path]["step_ms"]:

@@ -19,6 +19,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <tuple>
@@ -148,6 +149,26 @@ void route(const float* logits, int64_t T, int64_t E, int64_t k, bool normalize,
   }
 }
 
+// Wall-clock time per phase of the decode layer, summed over calls while on (set_profile): what
+// benchmarks/step_profile.py reports. Off, each phase mark is one relaxed load.
+enum Phase { kInputNorm, kQKV, kRopeCache, kAttend, kOProj, kRouter, kExperts, kPhases };
+constexpr const char* kPhaseNames[kPhases] = {"input_norm", "qkv", "qk_norm_rope_kv_write", "attention",
+                                              "o_proj_residual", "post_norm_router", "experts"};
+std::atomic<bool> g_profile{false};
+double g_phase_seconds[kPhases] = {};
+int64_t g_profiled_calls = 0;
+
+struct PhaseClock {
+  bool on = g_profile.load(std::memory_order_relaxed);
+  std::chrono::steady_clock::time_point last = on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+  void mark(Phase p) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_phase_seconds[p] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
 }  // namespace
 
 struct DecodeLayer {
@@ -201,6 +222,41 @@ struct DecodeLayer {
                                                            at::Tensor& k_cache, at::Tensor& v_cache,
                                                            const at::Tensor& slots, const at::Tensor& block_tables,
                                                            const at::Tensor& seq_lens, int64_t sliding_window) const {
+    PhaseClock clock;
+    if (clock.on) ++g_profiled_calls;
+    return run_attention(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window, clock);
+  }
+
+  // The whole decode step with the routed experts in this process (the layer holds them):
+  // `attention`, then the experts, added to x. Returns the seconds spent in the experts and
+  // the ids [T, top_k] they were called with (for the callers' metrics).
+  std::tuple<double, at::Tensor> forward(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                         int64_t sliding_window) const {
+    TORCH_CHECK(gate_up.defined() && down.defined(), "DecodeLayer.forward: this layer holds no experts");
+    PhaseClock clock;
+    if (clock.on) ++g_profiled_calls;
+    auto [h, ids, wts] = run_attention(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window, clock);
+    const int64_t T = x.size(0);
+    if (T == 0) return {0.0, ids};
+    at::Tensor out = at::empty_like(h);
+    at::Tensor scratch = at::empty({T * top_k * (gate_up.size(1) / 2)}, h.options());
+    const auto start = std::chrono::steady_clock::now();
+    moe_forward(h, ids, wts, expert_kind, group, gate_up, gate_up_scale, gate_up_min, down, down_scale, down_min, out,
+                scratch);
+    const double expert_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    add_(x, out);
+    clock.mark(kExperts);
+    return {expert_seconds, ids};
+  }
+
+ private:
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> run_attention(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                                           at::Tensor& k_cache, at::Tensor& v_cache,
+                                                           const at::Tensor& slots, const at::Tensor& block_tables,
+                                                           const at::Tensor& seq_lens, int64_t sliding_window,
+                                                           PhaseClock& clock) const {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.scalar_type() == at::kFloat && x.is_contiguous(),
                 "DecodeLayer: x must be contiguous f32 [T, ", hidden, "]");
     const int64_t T = x.size(0);
@@ -227,8 +283,10 @@ struct DecodeLayer {
     const float epsf = static_cast<float>(eps);
     const int64_t E = router.size(0), qw = heads * head_dim, kw = kv_heads * head_dim;
     rms_norm(x.data_ptr<float>(), input_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
+    clock.mark(kInputNorm);
     std::vector<at::Tensor> qkv{at::empty({T, qw}, f32), at::empty({T, kw}, f32), at::empty({T, kw}, f32)};
     project(h, {&q, &k, &v}, qkv);
+    clock.mark(kQKV);
     at::Tensor &qb = qkv[0], &kb = qkv[1], &vb = qkv[2];
     if (q_norm.defined()) {
       rms_norm(qb.data_ptr<float>(), q_norm.data_ptr<float>(), qb.data_ptr<float>(), T * heads, head_dim, epsf);
@@ -238,42 +296,24 @@ struct DecodeLayer {
     rope(kb.data_ptr<float>(), T, kv_heads, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
     write_cache(kb.data_ptr<float>(), T, kv_heads, head_dim, k_cache, sp);
     write_cache(vb.data_ptr<float>(), T, kv_heads, head_dim, v_cache, sp);
+    clock.mark(kRopeCache);
     at::Tensor attn = at::empty({T, heads, head_dim}, f32);
     paged_decode_attention_f32(qb.view({T, heads, head_dim}), k_cache, v_cache, block_tables, seq_lens, scale,
                                sliding_window, attn);
+    clock.mark(kAttend);
     at::Tensor ob = at::empty({T, hidden}, f32);
     o(attn.view({T, qw}), ob);
     add_(x, ob);
+    clock.mark(kOProj);
 
     rms_norm(x.data_ptr<float>(), post_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
     at::Tensor logits = at::empty({T, E}, f32);
     linear_forward(h, kF32, router, at::Tensor(), logits);
     route(logits.data_ptr<float>(), T, E, top_k, normalize, ids.data_ptr<int64_t>(), wts.data_ptr<float>());
+    clock.mark(kRouter);
     return {h, ids, wts};
   }
 
-  // The whole decode step with the routed experts in this process (the layer holds them):
-  // `attention`, then the experts, added to x. Returns the seconds spent in the experts and
-  // the ids [T, top_k] they were called with (for the callers' metrics).
-  std::tuple<double, at::Tensor> forward(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
-                                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                         int64_t sliding_window) const {
-    TORCH_CHECK(gate_up.defined() && down.defined(), "DecodeLayer.forward: this layer holds no experts");
-    auto [h, ids, wts] = attention(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window);
-    const int64_t T = x.size(0);
-    if (T == 0) return {0.0, ids};
-    at::Tensor out = at::empty_like(h);
-    at::Tensor scratch = at::empty({T * top_k * (gate_up.size(1) / 2)}, h.options());
-    const auto start = std::chrono::steady_clock::now();
-    moe_forward(h, ids, wts, expert_kind, group, gate_up, gate_up_scale, gate_up_min, down, down_scale, down_min, out,
-                scratch);
-    const double expert_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    add_(x, out);
-    return {expert_seconds, ids};
-  }
-
- private:
   static void add_(at::Tensor& x, const at::Tensor& y) {
     float* xp = x.data_ptr<float>();
     const float* yp = y.data_ptr<float>();
@@ -294,6 +334,23 @@ at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& weight, double ep
 
 void bind_decode_layer(pybind11::module& m) {
   namespace py = pybind11;
+  m.def(
+      "set_decode_profile",
+      [](bool on) {
+        g_profile.store(on);
+        std::fill(std::begin(g_phase_seconds), std::end(g_phase_seconds), 0.0);
+        g_profiled_calls = 0;
+      },
+      "time DecodeLayer's phases from now on (on) or stop; either way the sums restart at zero", py::arg("on"));
+  m.def(
+      "decode_profile",
+      [] {
+        py::dict out;
+        for (int p = 0; p < kPhases; ++p) out[kPhaseNames[p]] = g_phase_seconds[p];
+        out["calls"] = g_profiled_calls;
+        return out;
+      },
+      "seconds per DecodeLayer phase summed over the calls since set_decode_profile(True), and the call count");
   m.def("rms_norm", &rms_norm_f32, "RMSNorm of contiguous f32 rows, as transformers computes it in float32",
         py::arg("x"), py::arg("weight"), py::arg("eps"));
   py::class_<Dense>(m, "Dense", "a dense projection for DecodeLayer: kind 0 f32, kind 2 int8 rows")

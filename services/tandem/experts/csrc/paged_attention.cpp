@@ -1,5 +1,5 @@
 // Paged decode attention on the CPU: one query token per sequence, K and V read in place from
-// the block-paged cache (no gather copy), online softmax in float32.
+// the block-paged cache (no gather copy), a softmax per chunk in float32.
 //
 // This is the attention of CPU decode: sequences whose KV lives on the CPU tier (long contexts,
 // in the experts process or in process) and every decode step when the compute device is the
@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -34,36 +35,79 @@ inline float to_float(at::Half x) { return static_cast<float>(x); }
 // The hot loops, compiled for AVX-512, AVX2 and baseline x86-64; the loader picks one at run
 // time. `omp simd reduction` lets the dot products vectorize without -ffast-math.
 
-// s[j * n + t] = q_j . k_t for the group's j < g query heads and the block's t < n tokens.
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void block_scores(const float* q, int64_t g, int64_t D, const float* k, int64_t k_stride, int64_t n, float* s) {
-  for (int64_t t = 0; t < n; ++t) {
-    const float* kt = k + t * k_stride;
-    for (int64_t j = 0; j < g; ++j) {
-      const float* qj = q + j * D;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < D; ++i) dot += qj[i] * kt[i];
-      s[j * n + t] = dot;
+// q . k over D numbers. With D a multiple of 16 (every head size in use), in GCC vector types
+// (one zmm, two ymm or four xmm, by the clone) reduced pairwise at the end: a plain `omp simd
+// reduction` ends each dot in 15 dependent scalar adds through memory, which took most of this
+// kernel's time at a head size of 64.
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+inline float dot(const float* __restrict q, const float* __restrict k, int64_t D) {
+  if (D % 16 == 0) {
+    v16f acc = {};
+    for (int64_t i = 0; i < D; i += 16) {
+      v16f a, b;
+      std::memcpy(&a, q + i, sizeof a);
+      std::memcpy(&b, k + i, sizeof b);
+      acc += a * b;
     }
+    const v8f h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4f h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
   }
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < D; ++i) sum += q[i] * k[i];
+  return sum;
 }
 
-// acc_j = acc_j * rescale[j] + sum_t p[j * n + t] * v_t for j < g; acc_j starts at acc + j * acc_stride.
+// s[j * s_stride + t] = q_j . k_t for the group's j < g query heads and the block's t < n tokens.
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void block_values(float* acc, int64_t acc_stride, const float* rescale, int64_t g, int64_t Dv, const float* v,
-                  int64_t v_stride, int64_t n, const float* p) {
-  for (int64_t j = 0; j < g; ++j) {
-    float* a = acc + j * acc_stride;
-    const float c = rescale[j];
-#pragma omp simd
-    for (int64_t i = 0; i < Dv; ++i) a[i] *= c;
+void block_scores(const float* q, int64_t g, int64_t D, const float* k, int64_t k_stride, int64_t n, float* s,
+                  int64_t s_stride) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < g; ++j) s[j * s_stride + t] = dot(q + j * D, k + t * k_stride, D);
+}
+
+// s[t] = exp(s[t] - m) for t < n, returning their sum. exp is Cephes' expf (range reduction by
+// ln 2 in two parts, a degree-5 polynomial, the power of two built in the exponent bits): within
+// 2 ulp of libm for the arguments softmax gives it (<= 0), and it vectorizes where libm's
+// scalar expf call does not (a context's worth of exps was most of this kernel's time).
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+float exp_shifted(float* s, int64_t n, float m) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    const float x = std::max(s[t] - m, -87.f);  // below, exp underflows; e^-87 ~ 1.6e-38 is as good as 0
+    const float k = std::nearbyint(x * 1.44269504088896341f);
+    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float two_k;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+    s[t] = p * two_k;
+    sum += s[t];
   }
+  return sum;
+}
+
+// acc_j += sum_t p[j * p_stride + t] * v_t for j < g; acc_j starts at acc + j * acc_stride.
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+void block_values(float* acc, int64_t acc_stride, int64_t g, int64_t Dv, const float* v, int64_t v_stride, int64_t n,
+                  const float* p, int64_t p_stride) {
   for (int64_t t = 0; t < n; ++t) {
     const float* vt = v + t * v_stride;
     for (int64_t j = 0; j < g; ++j) {
       float* a = acc + j * acc_stride;
-      const float w = p[j * n + t];
+      const float w = p[j * p_stride + t];
 #pragma omp simd
       for (int64_t i = 0; i < Dv; ++i) a[i] += w * vt[i];
     }
@@ -87,7 +131,20 @@ inline const float* rows_as_float<float>(const float* src, int64_t stride, int64
   return src;
 }
 
-// Partial attention of one query head over one chunk of a sequence's tokens: running max m,
+// Blocks sit anywhere in the pool, so the hardware prefetchers stop at each block's end: ask
+// for the next block of the range [pos, hi) while this one is computed. Its rows are one span
+// when they are packed (row stride times block size is the block stride, the cache's layout).
+template <typename T>
+inline void prefetch_next_block(const T* base, int64_t block_stride, int64_t row_stride, const int64_t* table,
+                                int64_t pos, int64_t hi, int64_t bs) {
+  const int64_t next = (pos / bs + 1) * bs;
+  if (next >= hi || row_stride * bs != block_stride) return;
+  const char* p = reinterpret_cast<const char*>(base + table[next / bs] * block_stride);
+  const int64_t bytes = std::min(hi - next, bs) * row_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+// Partial attention of one query head over one chunk of a sequence's tokens: its max score m,
 // softmax denominator l and the unnormalised weighted value sum acc [Dv] (flash-decoding).
 struct Partials {
   float* data;
@@ -114,68 +171,84 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  // Work items are (sequence, chunk of blocks): a chunk's blocks are read whole (every KV head)
-  // by one thread while they sit in its cache, and a long sequence alone still uses every core.
+  // Work items are (sequence, chunk of its blocks). A thread scores a chunk block by block for
+  // every query head (a block's rows hold all KV heads, so each block is read whole while it is
+  // in cache: per-KV-head items would read 256 bytes in every 2 KB, which no prefetcher follows
+  // across pages), then one softmax per head and one more pass over the blocks for V. Chunks
+  // split long sequences so that every core has work for one sequence, and bound the scores
+  // buffer (heads x chunk tokens).
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b]);
-  const int64_t max_blocks = (max_len + bs - 1) / bs;
+  const int64_t max_blocks = std::max<int64_t>(1, (max_len + bs - 1) / bs);
   const int64_t threads = at::get_num_threads();
-  const int64_t chunk_blocks = std::max<int64_t>(8, (max_blocks + 2 * threads - 1) / (2 * threads));
-  const int64_t chunks = std::max<int64_t>(1, (max_blocks + chunk_blocks - 1) / chunk_blocks);
-  std::vector<float> storage(B * chunks * H * (Dv + 2));
+  const int64_t want_chunks = (2 * threads + B - 1) / B;
+  int64_t chunk_blocks = std::max<int64_t>(2, (max_blocks + want_chunks - 1) / want_chunks);
+  chunk_blocks = std::min(chunk_blocks, std::max<int64_t>(1, 65536 / (H * bs)));
+  const int64_t chunks = (max_blocks + chunk_blocks - 1) / chunk_blocks, chunk_tokens = chunk_blocks * bs;
+  // One chunk: each item finishes its heads. Several: partials, merged below.
+  std::vector<float> storage(chunks > 1 ? B * chunks * H * (Dv + 2) : 0);
   const Partials part{storage.data(), chunks, H, Dv + 2};
 
   at::parallel_for(0, B * chunks, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> qf(H * D), s(group * bs), kbuf(bs * D), vbuf(bs * Dv), rescale(group);
+    std::vector<float> qf(H * D), s(H * chunk_tokens), kbuf(bs * D), vbuf(bs * Dv);
+    std::vector<float> acc(H * Dv), m(H), l(H);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / chunks, c = w % chunks, len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t lo = std::max(first, c * chunk_blocks * bs), hi = std::min(len, (c + 1) * chunk_blocks * bs);
-      for (int64_t h = 0; h < H; ++h) {  // empty partials (m = -inf) merge to nothing
-        float* ph = part.at(b, c, h);
-        std::fill(ph, ph + Dv, 0.f);
-        ph[Dv] = neg_inf;
-        ph[Dv + 1] = 0.f;
-      }
-      if (lo >= hi) continue;
+      const int64_t lo = std::max(first, c * chunk_tokens), hi = std::min(len, (c + 1) * chunk_tokens);
+      const int64_t n = std::max<int64_t>(0, hi - lo);
+      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t h = 0; h < H; ++h) {
         const T* src = qp + b * qs0 + h * qs1;
         for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(src[i]) * fscale;
       }
-      for (int64_t pos = lo; pos < hi;) {
-        const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs;
-        const int64_t n = std::min(bs - slot, hi - pos);  // tokens of this block in range
+      for (int64_t pos = lo; pos < hi;) {  // scores: s[h * chunk_tokens + (token - lo)]
+        const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs, rows = std::min(bs - slot, hi - pos);
+        prefetch_next_block(kp, ks0, ks1, tp + b * ts0, pos, hi, bs);
         for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-          int64_t k_stride, v_stride;
-          const float* kf = rows_as_float(kp + block * ks0 + slot * ks1 + kvh * ks2, ks1, n, D, kbuf.data(),
+          int64_t k_stride;
+          const float* kf = rows_as_float(kp + block * ks0 + slot * ks1 + kvh * ks2, ks1, rows, D, kbuf.data(),
                                           &k_stride);
-          block_scores(qf.data() + kvh * group * D, group, D, kf, k_stride, n, s.data());
-          for (int64_t j = 0; j < group; ++j) {  // online softmax, one rescale per block
-            float* ph = part.at(b, c, kvh * group + j);
-            float* sj = s.data() + j * n;
-            const float m_new = std::max(ph[Dv], *std::max_element(sj, sj + n));
-            rescale[j] = std::exp(ph[Dv] - m_new);  // 0 on the first block (m = -inf)
-            float sum = 0.f;
-            for (int64_t t = 0; t < n; ++t) {
-              sj[t] = std::exp(sj[t] - m_new);
-              sum += sj[t];
-            }
-            ph[Dv + 1] = ph[Dv + 1] * rescale[j] + sum;
-            ph[Dv] = m_new;
-          }
-          const float* vf = rows_as_float(vp + block * vs0 + slot * vs1 + kvh * vs2, vs1, n, Dv, vbuf.data(),
-                                          &v_stride);
-          block_values(part.at(b, c, kvh * group), part.width, rescale.data(), group, Dv, vf, v_stride, n,
-                       s.data());
+          block_scores(qf.data() + kvh * group * D, group, D, kf, k_stride, rows,
+                       s.data() + kvh * group * chunk_tokens + (pos - lo), chunk_tokens);
         }
-        pos += n;
+        pos += rows;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* sh = s.data() + h * chunk_tokens;
+        m[h] = n > 0 ? *std::max_element(sh, sh + n) : neg_inf;
+        l[h] = n > 0 ? exp_shifted(sh, n, m[h]) : 0.f;
+      }
+      for (int64_t pos = lo; pos < hi;) {
+        const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs, rows = std::min(bs - slot, hi - pos);
+        prefetch_next_block(vp, vs0, vs1, tp + b * ts0, pos, hi, bs);
+        for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+          int64_t v_stride;
+          const float* vf = rows_as_float(vp + block * vs0 + slot * vs1 + kvh * vs2, vs1, rows, Dv, vbuf.data(),
+                                          &v_stride);
+          block_values(acc.data() + kvh * group * Dv, Dv, group, Dv, vf, v_stride, rows,
+                       s.data() + kvh * group * chunk_tokens + (pos - lo), chunk_tokens);
+        }
+        pos += rows;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        if (chunks == 1) {  // the whole sequence: normalise into out
+          T* dst = op + b * os0 + h * os1;
+          const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+          for (int64_t i = 0; i < Dv; ++i) dst[i] = static_cast<T>(acc[h * Dv + i] * inv);
+        } else {  // empty chunks (m = -inf, past the end or before the window) merge to nothing
+          float* ph = part.at(b, c, h);
+          std::copy_n(acc.data() + h * Dv, Dv, ph);
+          ph[Dv] = m[h];
+          ph[Dv + 1] = l[h];
+        }
       }
     }
   });
+  if (chunks == 1) return;
 
-  // Merge each head's chunk partials: rescale to the common max, sum, normalise. A few heads of
-  // one chunk each (short-context decode) are a few microseconds' work: done inline rather than
-  // waking a worker thread for them.
+  // Merge each head's chunk partials: rescale to the common max, sum, normalise. A few heads
+  // (short-context decode) are a few microseconds' work: done inline rather than waking a worker.
   const int64_t merge_grain = std::max<int64_t>(16, 16384 / (chunks * (Dv + 2)));
   at::parallel_for(0, B * H, merge_grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> acc(Dv);
