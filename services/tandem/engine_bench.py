@@ -261,9 +261,9 @@ def bench_split(args, concurrency: list[int], bandwidth: float | None) -> dict:
             attention_cores, expert_cores = split_cores(all_cores)
         except ValueError as exc:
             raise UsageError(f"--mode split: {exc}") from None
+    threads = torch.get_num_threads()  # the embedded run's executor sets its own; restored below
     embedded, bytes_per_expert = bench_engine(args, concurrency, bandwidth)
     experts_proc, args.expert_executor = start_split_experts(args, expert_cores)
-    threads = torch.get_num_threads()
     pin_process(attention_cores)
     torch.set_num_threads(len(attention_cores))
     try:
