@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -63,12 +64,25 @@ inline float dot(const float* __restrict q, const float* __restrict k, int64_t D
   return sum;
 }
 
-// s[j * s_stride + t] = q_j . k_t for the group's j < g query heads and the block's t < n tokens.
+// One block's scores: s[h * s_stride + t] = q_h . k_(t, h / g) for every query head h < Hkv * g
+// and the block's t < n tokens. A token's row holds every KV head (kv_stride apart), so the
+// block is read in address order; `next`, when set, is the same row of the next block, asked
+// for a row at a time while this block is computed (the pool's blocks sit anywhere, so the
+// hardware prefetchers stop at each block's end).
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void block_scores(const float* q, int64_t g, int64_t D, const float* k, int64_t k_stride, int64_t n, float* s,
-                  int64_t s_stride) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t j = 0; j < g; ++j) s[j * s_stride + t] = dot(q + j * D, k + t * k_stride, D);
+void block_scores(const float* q, int64_t Hkv, int64_t g, int64_t D, const float* k, int64_t k_stride,
+                  int64_t kv_stride, int64_t n, const char* next, int64_t row_bytes, float* s, int64_t s_stride) {
+  for (int64_t t = 0; t < n; ++t) {
+    if (next)
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * k_stride * 4 + off);
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      const float* kt = k + t * k_stride + kvh * kv_stride;
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t h = kvh * g + j;
+        s[h * s_stride + t] = dot(q + h * D, kt, D);
+      }
+    }
+  }
 }
 
 // s[t] = exp(s[t] - m) for t < n, returning their sum. exp is Cephes' expf (range reduction by
@@ -99,49 +113,59 @@ float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
-// acc_j += sum_t p[j * p_stride + t] * v_t for j < g; acc_j starts at acc + j * acc_stride.
+// One block's values: acc_h += sum_t p[h * p_stride + t] * v_(t, h / g) for every query head h
+// (acc_h at acc + h * Dv), the block read in address order as in block_scores.
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void block_values(float* acc, int64_t acc_stride, int64_t g, int64_t Dv, const float* v, int64_t v_stride, int64_t n,
-                  const float* p, int64_t p_stride) {
+void block_values(float* acc, int64_t Hkv, int64_t g, int64_t Dv, const float* v, int64_t v_stride,
+                  int64_t kv_stride, int64_t n, const char* next, int64_t row_bytes, const float* p,
+                  int64_t p_stride) {
   for (int64_t t = 0; t < n; ++t) {
-    const float* vt = v + t * v_stride;
-    for (int64_t j = 0; j < g; ++j) {
-      float* a = acc + j * acc_stride;
-      const float w = p[j * p_stride + t];
+    if (next)
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * v_stride * 4 + off);
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      const float* vt = v + t * v_stride + kvh * kv_stride;
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t h = kvh * g + j;
+        float* a = acc + h * Dv;
+        const float w = p[h * p_stride + t];
 #pragma omp simd
-      for (int64_t i = 0; i < Dv; ++i) a[i] += w * vt[i];
+        for (int64_t i = 0; i < Dv; ++i) a[i] += w * vt[i];
+      }
     }
   }
 }
 
-// Rows [n] of a block (stride `stride` elements) as float32: in place for float caches, else
-// converted into buf [n, width] (bf16/fp16 caches).
+// A block's rows [n] of `heads` vectors of `width` (row stride `stride`, head stride
+// `head_stride` elements) as float32: in place for float caches (strides unchanged), else
+// converted into buf [n, heads, width] (bf16/fp16 caches).
 template <typename T>
-inline const float* rows_as_float(const T* src, int64_t stride, int64_t n, int64_t width, float* buf,
-                                  int64_t* out_stride) {
+inline const float* rows_as_float(const T* src, int64_t stride, int64_t head_stride, int64_t n, int64_t heads,
+                                  int64_t width, float* buf, int64_t* out_stride, int64_t* out_head_stride) {
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t i = 0; i < width; ++i) buf[t * width + i] = to_float(src[t * stride + i]);
-  *out_stride = width;
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < width; ++i) buf[(t * heads + h) * width + i] = to_float(src[t * stride + h * head_stride + i]);
+  *out_stride = heads * width;
+  *out_head_stride = width;
   return buf;
 }
 template <>
-inline const float* rows_as_float<float>(const float* src, int64_t stride, int64_t, int64_t, float*,
-                                         int64_t* out_stride) {
+inline const float* rows_as_float<float>(const float* src, int64_t stride, int64_t head_stride, int64_t, int64_t,
+                                         int64_t, float*, int64_t* out_stride, int64_t* out_head_stride) {
   *out_stride = stride;
+  *out_head_stride = head_stride;
   return src;
 }
 
-// Blocks sit anywhere in the pool, so the hardware prefetchers stop at each block's end: ask
-// for the next block of the range [pos, hi) while this one is computed. Its rows are one span
-// when they are packed (row stride times block size is the block stride, the cache's layout).
+// Where the next block of the range [pos, hi) starts in a float cache (row `slot` 0), to
+// prefetch while this one is computed; nullptr when there is none or the cache is not float
+// (bf16/fp16 blocks go through a conversion buffer).
 template <typename T>
-inline void prefetch_next_block(const T* base, int64_t block_stride, int64_t row_stride, const int64_t* table,
-                                int64_t pos, int64_t hi, int64_t bs) {
+inline const char* next_block(const T* base, int64_t block_stride, const int64_t* table, int64_t pos, int64_t hi,
+                              int64_t bs) {
+  if constexpr (!std::is_same_v<T, float>) return nullptr;
   const int64_t next = (pos / bs + 1) * bs;
-  if (next >= hi || row_stride * bs != block_stride) return;
-  const char* p = reinterpret_cast<const char*>(base + table[next / bs] * block_stride);
-  const int64_t bytes = std::min(hi - next, bs) * row_stride * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  if (next >= hi) return nullptr;
+  return reinterpret_cast<const char*>(base + table[next / bs] * block_stride);
 }
 
 // Partial attention of one query head over one chunk of a sequence's tokens: its max score m,
@@ -190,7 +214,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const Partials part{storage.data(), chunks, H, Dv + 2};
 
   at::parallel_for(0, B * chunks, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> qf(H * D), s(H * chunk_tokens), kbuf(bs * D), vbuf(bs * Dv);
+    std::vector<float> qf(H * D), s(H * chunk_tokens), kbuf(bs * Hkv * D), vbuf(bs * Hkv * Dv);
     std::vector<float> acc(H * Dv), m(H), l(H);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / chunks, c = w % chunks, len = lp[b];
@@ -202,16 +226,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         const T* src = qp + b * qs0 + h * qs1;
         for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(src[i]) * fscale;
       }
+      // A prefetched next block is as many rows as this one computes: the rows past a chunk's
+      // end (the last block's tail) are not needed.
       for (int64_t pos = lo; pos < hi;) {  // scores: s[h * chunk_tokens + (token - lo)]
         const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs, rows = std::min(bs - slot, hi - pos);
-        prefetch_next_block(kp, ks0, ks1, tp + b * ts0, pos, hi, bs);
-        for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-          int64_t k_stride;
-          const float* kf = rows_as_float(kp + block * ks0 + slot * ks1 + kvh * ks2, ks1, rows, D, kbuf.data(),
-                                          &k_stride);
-          block_scores(qf.data() + kvh * group * D, group, D, kf, k_stride, rows,
-                       s.data() + kvh * group * chunk_tokens + (pos - lo), chunk_tokens);
-        }
+        int64_t k_stride, kv_stride;
+        const float* kf = rows_as_float(kp + block * ks0 + slot * ks1, ks1, ks2, rows, Hkv, D, kbuf.data(), &k_stride,
+                                        &kv_stride);
+        block_scores(qf.data(), Hkv, group, D, kf, k_stride, kv_stride, rows,
+                     next_block(kp, ks0, tp + b * ts0, pos, hi, bs), Hkv * D * 4, s.data() + (pos - lo),
+                     chunk_tokens);
         pos += rows;
       }
       for (int64_t h = 0; h < H; ++h) {
@@ -221,14 +245,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       }
       for (int64_t pos = lo; pos < hi;) {
         const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs, rows = std::min(bs - slot, hi - pos);
-        prefetch_next_block(vp, vs0, vs1, tp + b * ts0, pos, hi, bs);
-        for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-          int64_t v_stride;
-          const float* vf = rows_as_float(vp + block * vs0 + slot * vs1 + kvh * vs2, vs1, rows, Dv, vbuf.data(),
-                                          &v_stride);
-          block_values(acc.data() + kvh * group * Dv, Dv, group, Dv, vf, v_stride, rows,
-                       s.data() + kvh * group * chunk_tokens + (pos - lo), chunk_tokens);
-        }
+        int64_t v_stride, kv_stride;
+        const float* vf = rows_as_float(vp + block * vs0 + slot * vs1, vs1, vs2, rows, Hkv, Dv, vbuf.data(), &v_stride,
+                                        &kv_stride);
+        block_values(acc.data(), Hkv, group, Dv, vf, v_stride, kv_stride, rows,
+                     next_block(vp, vs0, tp + b * ts0, pos, hi, bs), Hkv * Dv * 4, s.data() + (pos - lo),
+                     chunk_tokens);
         pos += rows;
       }
       for (int64_t h = 0; h < H; ++h) {
