@@ -43,7 +43,8 @@ class ModelRunner:
             positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(input_ids, pos, self.cache, self._step_attention(on_device, on_cpu))  # [T, H]
+        hidden = self.model(input_ids, pos, self.cache, self._step_attention(on_device, on_cpu),
+                            max_position=max(positions))  # [T, H]
         # Sample from the last position of each chunk that reaches the end of its sequence.
         last, ends = [], 0
         for s in scheduled:

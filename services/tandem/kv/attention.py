@@ -7,7 +7,7 @@ or before its own position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +21,24 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] padded with 0
     query_index: torch.Tensor  # [B, Qmax] index into the T tokens (padding points at token 0)
     query_valid: torch.Tensor  # [B, Qmax] bool
-    mask: torch.Tensor  # [B, 1, Qmax, Lmax] bool, True where a query may attend a key
+    query_pos: torch.Tensor  # [B, Qmax] each query's position in its sequence
     seq_lens: torch.Tensor  # [B] context length after this step
+    key_len: int  # Lmax: keys per sequence as the torch path gathers them (max_blocks * block_size)
     sliding_window: int | None = None  # the mask's window, for kernels that apply it themselves
+    _mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, Qmax, Lmax] bool, True where a query may attend a key. Built on first use: the
+        native decode kernels apply causality and the window themselves and never read it."""
+        if self._mask is None:
+            key_pos = torch.arange(self.key_len, device=self.query_pos.device)
+            mask = key_pos[None, None, :] <= self.query_pos[:, :, None]  # [B, Qmax, Lmax]
+            if self.sliding_window is not None:
+                mask &= key_pos[None, None, :] > self.query_pos[:, :, None] - self.sliding_window
+            mask[:, :, 0] |= ~self.query_valid  # padded queries see key 0 so their softmax stays finite
+            self._mask = mask[:, None]
+        return self._mask
 
     @classmethod
     def build(cls, starts: list[int], lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -55,19 +70,15 @@ class AttentionMetadata:
                 slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
                 offset += n
             slot_mapping = torch.cat(slots)
-        key_pos = torch.arange(l_max)
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Qmax, Lmax]
-        if sliding_window is not None:
-            mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
-        mask[:, :, 0] |= ~query_valid  # padded queries see key 0 so their softmax stays finite
         seq_lens = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.long)
         return cls(
             slot_mapping=slot_mapping.to(device),
             block_tables=tables.to(device),
             query_index=query_index.to(device),
             query_valid=query_valid.to(device),
-            mask=mask[:, None].to(device),
+            query_pos=query_pos.to(device),
             seq_lens=seq_lens.to(device),
+            key_len=l_max,
             sliding_window=sliding_window,
         )
 

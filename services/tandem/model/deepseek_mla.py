@@ -49,8 +49,10 @@ def select_sequences(meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMe
         block_tables=meta.block_tables[rows],
         query_index=meta.query_index[rows, :q_max],
         query_valid=valid[:, :q_max],
-        mask=meta.mask[rows, :, :q_max],
+        query_pos=meta.query_pos[rows, :q_max],
         seq_lens=meta.seq_lens[rows],
+        key_len=meta.key_len,
+        sliding_window=meta.sliding_window,
     )
 
 

@@ -65,12 +65,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                step: StepAttention) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, H].
+                step: StepAttention, max_position: int | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]. `max_position`, the largest of
+        the positions when the caller knows it, lets RoPE look its values up in a table.
 
         Tokens come device-tier sequences first, then CPU-tier ones (see `tandem.kv.tiered`)."""
         x = self.model.embed_tokens(input_ids)  # [T, H]
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        if max_position is not None:
+            self.rotary.reserve(max_position + 1, positions.device)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype, max_position)
         kv = [LayerKV.of(cache, i) for i in range(len(self.model.layers))]
         fused = self._native_path() if self.native_decode else None
         if fused is not None and fused.serves(step, x.shape[0]):
