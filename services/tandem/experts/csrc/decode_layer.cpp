@@ -158,9 +158,13 @@ std::atomic<bool> g_profile{false};
 double g_phase_seconds[kPhases] = {};
 int64_t g_profiled_calls = 0;
 
+// One per call: counts the call when profiling is on, then marks where each phase ends.
 struct PhaseClock {
   bool on = g_profile.load(std::memory_order_relaxed);
   std::chrono::steady_clock::time_point last = on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+  PhaseClock() {
+    if (on) ++g_profiled_calls;
+  }
   void mark(Phase p) {
     if (!on) return;
     const auto now = std::chrono::steady_clock::now();
@@ -223,7 +227,6 @@ struct DecodeLayer {
                                                            const at::Tensor& slots, const at::Tensor& block_tables,
                                                            const at::Tensor& seq_lens, int64_t sliding_window) const {
     PhaseClock clock;
-    if (clock.on) ++g_profiled_calls;
     return run_attention(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window, clock);
   }
 
@@ -236,7 +239,6 @@ struct DecodeLayer {
                                          int64_t sliding_window) const {
     TORCH_CHECK(gate_up.defined() && down.defined(), "DecodeLayer.forward: this layer holds no experts");
     PhaseClock clock;
-    if (clock.on) ++g_profiled_calls;
     auto [h, ids, wts] = run_attention(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window, clock);
     const int64_t T = x.size(0);
     if (T == 0) return {0.0, ids};

@@ -34,7 +34,8 @@ inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
 // The hot loops, compiled for AVX-512, AVX2 and baseline x86-64; the loader picks one at run
-// time. `omp simd reduction` lets the dot products vectorize without -ffast-math.
+// time. They vectorize without -ffast-math: GCC vector types for the dot products, `omp simd`
+// for the rest.
 
 // q . k over D numbers. With D a multiple of 16 (every head size in use), in GCC vector types
 // (one zmm, two ymm or four xmm, by the clone) reduced pairwise at the end: a plain `omp simd
@@ -74,7 +75,7 @@ void block_scores(const float* q, int64_t Hkv, int64_t g, int64_t D, const float
                   int64_t kv_stride, int64_t n, const char* next, int64_t row_bytes, float* s, int64_t s_stride) {
   for (int64_t t = 0; t < n; ++t) {
     if (next)
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * k_stride * 4 + off);
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * k_stride * sizeof(float) + off);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const float* kt = k + t * k_stride + kvh * kv_stride;
       for (int64_t j = 0; j < g; ++j) {
@@ -87,8 +88,8 @@ void block_scores(const float* q, int64_t Hkv, int64_t g, int64_t D, const float
 
 // s[t] = exp(s[t] - m) for t < n, returning their sum. exp is Cephes' expf (range reduction by
 // ln 2 in two parts, a degree-5 polynomial, the power of two built in the exponent bits): within
-// 2 ulp of libm for the arguments softmax gives it (<= 0), and it vectorizes where libm's
-// scalar expf call does not (a context's worth of exps was most of this kernel's time).
+// 2 ulp of libm for the arguments softmax gives it (<= 0), and it vectorizes where a call to
+// libm's scalar expf per score does not.
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 float exp_shifted(float* s, int64_t n, float m) {
   float sum = 0.f;
@@ -121,7 +122,7 @@ void block_values(float* acc, int64_t Hkv, int64_t g, int64_t Dv, const float* v
                   int64_t p_stride) {
   for (int64_t t = 0; t < n; ++t) {
     if (next)
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * v_stride * 4 + off);
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * v_stride * sizeof(float) + off);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const float* vt = v + t * v_stride + kvh * kv_stride;
       for (int64_t j = 0; j < g; ++j) {
@@ -214,7 +215,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const Partials part{storage.data(), chunks, H, Dv + 2};
 
   at::parallel_for(0, B * chunks, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> qf(H * D), s(H * chunk_tokens), kbuf(bs * Hkv * D), vbuf(bs * Hkv * Dv);
+    constexpr bool in_place = std::is_same_v<T, float>;  // float blocks are read where they lie
+    std::vector<float> qf(H * D), s(H * chunk_tokens), kbuf(in_place ? 0 : bs * Hkv * D),
+        vbuf(in_place ? 0 : bs * Hkv * Dv);
     std::vector<float> acc(H * Dv), m(H), l(H);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / chunks, c = w % chunks, len = lp[b];
@@ -226,33 +229,35 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         const T* src = qp + b * qs0 + h * qs1;
         for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(src[i]) * fscale;
       }
-      // A prefetched next block is as many rows as this one computes: the rows past a chunk's
-      // end (the last block's tail) are not needed.
-      for (int64_t pos = lo; pos < hi;) {  // scores: s[h * chunk_tokens + (token - lo)]
-        const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs, rows = std::min(bs - slot, hi - pos);
-        int64_t k_stride, kv_stride;
-        const float* kf = rows_as_float(kp + block * ks0 + slot * ks1, ks1, ks2, rows, Hkv, D, kbuf.data(), &k_stride,
-                                        &kv_stride);
-        block_scores(qf.data(), Hkv, group, D, kf, k_stride, kv_stride, rows,
-                     next_block(kp, ks0, tp + b * ts0, pos, hi, bs), Hkv * D * 4, s.data() + (pos - lo),
-                     chunk_tokens);
-        pos += rows;
-      }
+      // f(x, row_stride, head_stride, rows, next, offset) for each block of [lo, hi) of one cache:
+      // its rows as float (x), the next block to prefetch (as many rows as this one has: past a
+      // chunk's end none are needed) and the block's first token's offset from lo.
+      const auto each_block = [&](const T* base, int64_t s0, int64_t s1, int64_t s2, int64_t width, float* buf,
+                                  const auto& f) {
+        for (int64_t pos = lo; pos < hi;) {
+          const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs, rows = std::min(bs - slot, hi - pos);
+          int64_t row_stride, head_stride;
+          const float* x = rows_as_float(base + block * s0 + slot * s1, s1, s2, rows, Hkv, width, buf, &row_stride,
+                                         &head_stride);
+          f(x, row_stride, head_stride, rows, next_block(base, s0, tp + b * ts0, pos, hi, bs), pos - lo);
+          pos += rows;
+        }
+      };
+      each_block(kp, ks0, ks1, ks2, D, kbuf.data(),  // scores: s[h * chunk_tokens + (token - lo)]
+                 [&](const float* kf, int64_t rs, int64_t hs, int64_t rows, const char* next, int64_t off) {
+                   block_scores(qf.data(), Hkv, group, D, kf, rs, hs, rows, next, Hkv * D * sizeof(float),
+                                s.data() + off, chunk_tokens);
+                 });
       for (int64_t h = 0; h < H; ++h) {
         float* sh = s.data() + h * chunk_tokens;
         m[h] = n > 0 ? *std::max_element(sh, sh + n) : neg_inf;
         l[h] = n > 0 ? exp_shifted(sh, n, m[h]) : 0.f;
       }
-      for (int64_t pos = lo; pos < hi;) {
-        const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs, rows = std::min(bs - slot, hi - pos);
-        int64_t v_stride, kv_stride;
-        const float* vf = rows_as_float(vp + block * vs0 + slot * vs1, vs1, vs2, rows, Hkv, Dv, vbuf.data(), &v_stride,
-                                        &kv_stride);
-        block_values(acc.data(), Hkv, group, Dv, vf, v_stride, kv_stride, rows,
-                     next_block(vp, vs0, tp + b * ts0, pos, hi, bs), Hkv * Dv * 4, s.data() + (pos - lo),
-                     chunk_tokens);
-        pos += rows;
-      }
+      each_block(vp, vs0, vs1, vs2, Dv, vbuf.data(),
+                 [&](const float* vf, int64_t rs, int64_t hs, int64_t rows, const char* next, int64_t off) {
+                   block_values(acc.data(), Hkv, group, Dv, vf, rs, hs, rows, next, Hkv * Dv * sizeof(float),
+                                s.data() + off, chunk_tokens);
+                 });
       for (int64_t h = 0; h < H; ++h) {
         if (chunks == 1) {  // the whole sequence: normalise into out
           T* dst = op + b * os0 + h * os1;
