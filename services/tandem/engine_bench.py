@@ -170,8 +170,10 @@ def add_bench_parser(sub) -> None:
                         "one's, measured against embedded in the same run")
     p.add_argument("--split-cores", choices=["disjoint", "shared"], default="disjoint",
                    help="--mode split: disjoint cores per process (default; 2 cores split 1 + 1), or both on "
-                        "every core taking turns, the experts process with OMP_WAIT_POLICY=PASSIVE so its idle "
-                        "threads sleep (start the bench itself with it too)")
+                        "every core taking turns, the attention process with one thread")
+    p.add_argument("--spin-us", type=int,
+                   help="--mode split: how long each side of the data plane polls for the other before "
+                        "sleeping (default 20000 on disjoint cores, 0 on shared ones)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip measuring this machine's read bandwidth")
     from tandem.cli import add_engine_args
 
@@ -243,38 +245,45 @@ def bench_split(args, concurrency: list[int], bandwidth: float | None) -> dict:
     """Embedded first (all cores), then the split pair, in one run: the per-token ratio between
     them is the cost of the split deployment on this machine.
 
-    The two processes take turns (attention, then the experts of that layer, then the next
-    layer's attention), so sharing cores costs nothing in principle; in practice OpenMP threads
-    spin after each parallel region (GNU OpenMP's default) and take the core the other process
-    needs. Hence disjoint cores (as Kubernetes' CPU manager gives the pod's two containers), or
-    shared cores with sleeping idle threads (OMP_WAIT_POLICY=PASSIVE)."""
+    Disjoint cores are what Kubernetes' static CPU manager gives the pod's two containers: each
+    side of the data plane then polls for the other (`--spin-us`) rather than sleeping, since a
+    sleeping core is slow to wake (most of all a VM's).
+
+    On shared cores the processes take turns: attention, the experts of that layer, the next
+    layer's attention. GNU OpenMP's idle threads spin for milliseconds after each parallel region
+    and take the cores the other process needs, while sleeping ones (OMP_WAIT_POLICY=PASSIVE) pay
+    a wake-up at every region, which doubles the step here. So the attention process runs one
+    thread (no idle workers at all) and the experts keep the default policy: their spinning worker
+    sits on the core the single attention thread leaves free."""
     from tandem.cli import UsageError
 
     all_cores = sorted(os.sched_getaffinity(0))
     if args.split_cores == "shared":
         attention_cores = expert_cores = all_cores
-        if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
-            print("--split-cores shared: this process's OpenMP threads spin while the experts work; "
-                  "run it with OMP_WAIT_POLICY=PASSIVE", file=sys.stderr)
+        attention_threads = 1
     else:
         try:
             attention_cores, expert_cores = split_cores(all_cores)
         except ValueError as exc:
             raise UsageError(f"--mode split: {exc}") from None
+        attention_threads = len(attention_cores)
+    spin_us = args.spin_us if args.spin_us is not None else 0 if args.split_cores == "shared" else 20000
     threads = torch.get_num_threads()  # the embedded run's executor sets its own; restored below
     embedded, bytes_per_expert = bench_engine(args, concurrency, bandwidth)
-    experts_proc, args.expert_executor = start_split_experts(args, expert_cores)
+    experts_proc, args.expert_executor = start_split_experts(args, expert_cores, spin_us)
     pin_process(attention_cores)
-    torch.set_num_threads(len(attention_cores))
+    torch.set_num_threads(attention_threads)
     try:
         result, _ = bench_engine(args, concurrency, bandwidth, bytes_per_expert)
+        attention_threads = torch.get_num_threads()  # as it ran (the engine could have changed it)
     finally:
         args.expert_executor = None
         pin_process(all_cores)
         torch.set_num_threads(threads)
         experts_proc.terminate()
         experts_proc.wait(timeout=30)
-    result["cores"] = {"attention": attention_cores, "experts": expert_cores, "split": args.split_cores}
+    result["cores"] = {"attention": attention_cores, "experts": expert_cores, "split": args.split_cores,
+                       "attention_threads": attention_threads, "spin_us": spin_us}
     result["embedded"] = {k: embedded[k] for k in ("prefill_tok_s", "decode_tok_s", "itl_p50_s", "concurrency")}
     result["split_vs_embedded_decode"] = result["decode_tok_s"] / embedded["decode_tok_s"]
     print(f"split ({args.split_cores}): attention on cores {attention_cores}, experts on cores {expert_cores}; decode "
@@ -283,9 +292,10 @@ def bench_split(args, concurrency: list[int], bandwidth: float | None) -> dict:
     return result
 
 
-def start_split_experts(args, cores: list[int]):
+def start_split_experts(args, cores: list[int], spin_us: int = 0):
     """Start `tandem serve --role experts` on a Unix socket, pinned to `cores` with as many expert
-    threads, at the bench's expert quantization; return (process, gRPC expert executor)."""
+    threads, at the bench's expert quantization, both ends of the data plane spinning for up to
+    `spin_us`; return (process, gRPC expert executor)."""
     import tempfile
 
     from tandem.rpc.experts_client import GrpcExpertExecutor
@@ -293,7 +303,7 @@ def start_split_experts(args, cores: list[int]):
     sock = Path(tempfile.mkdtemp(prefix="tandem-bench-")) / "experts.sock"
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--role", "experts", "--model", args.model,
            "--listen", f"unix:{sock}", "--metrics-port", "0", "--threads", str(len(cores)),
-           "--expert-quant", args.expert_quant]
+           "--expert-quant", args.expert_quant, "--spin-us", str(spin_us)]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     # taskset pins before Python starts, so every thread the process makes inherits the cores
@@ -301,10 +311,8 @@ def start_split_experts(args, cores: list[int]):
     taskset = shutil.which("taskset")
     if taskset is None:
         raise RuntimeError("--mode split pins the experts process with taskset (util-linux), not found")
-    shared = cores == sorted(os.sched_getaffinity(0))
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE") if shared else None  # see bench_split
-    proc = subprocess.Popen([taskset, "-c", ",".join(map(str, cores)), *cmd], stdout=subprocess.DEVNULL, env=env)
-    executor = GrpcExpertExecutor(f"unix:{sock}")
+    proc = subprocess.Popen([taskset, "-c", ",".join(map(str, cores)), *cmd], stdout=subprocess.DEVNULL)
+    executor = GrpcExpertExecutor(f"unix:{sock}", spin_us=spin_us)
     deadline = time.monotonic() + 300
     while not _serving(executor, sock):  # it listens before its weights are loaded
         if proc.poll() is not None or time.monotonic() > deadline:

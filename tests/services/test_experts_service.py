@@ -97,9 +97,13 @@ def test_unreachable_experts_raise_experts_unavailable(tmp_path):
     client.close()
 
 
-async def test_the_data_plane_answers_forward_as_grpc_does(experts, tmp_path):
+@pytest.mark.parametrize("native_wire", [True, False], ids=["native-frames", "python-frames"])
+async def test_the_data_plane_answers_forward_as_grpc_does(experts, tmp_path, native_wire, monkeypatch):
     """A same-host client learns the data socket from GetExpertsInfo and sends Forward over it:
     the same bytes back, the same field-named errors, and the gRPC path still there."""
+    from tandem.rpc import expert_wire
+
+    monkeypatch.setattr(expert_wire, "use_native", native_wire)  # both ends: the server runs in this process
     address, local = experts
     fast, plain = GrpcExpertExecutor(address), GrpcExpertExecutor(address, data_plane=False)
     info = await asyncio.to_thread(fast.info)
@@ -139,4 +143,24 @@ async def test_a_garbled_frame_closes_only_its_own_connection(experts):
     hidden, ids, weights = batch()
     assert torch.equal(await asyncio.to_thread(client.forward, 0, hidden, ids, weights),
                        local.forward(0, hidden, ids, weights))
+    client.close()
+
+
+async def test_spinning_ends_of_the_data_plane_answer_and_shut_down(start_server, model_dir, tmp_path):
+    """--spin-us on both roles: the answers are the same, and stopping the server ends the
+    connection thread that is polling for the next frame."""
+    path = model_dir("mixtral")
+    server = await start_server(model=str(path), role="experts", listen=f"unix:{tmp_path}/experts.sock",
+                                spin_us=20_000)
+    local = build_expert_executor(path)
+    client = GrpcExpertExecutor(server.address, spin_us=20_000)
+    await asyncio.to_thread(client.info)
+    for layer in (0, 1):
+        hidden, ids, weights = batch(tokens=3, seed=layer)
+        assert torch.equal(await asyncio.to_thread(client.forward, layer, hidden, ids, weights),
+                           local.forward(layer, hidden, ids, weights))
+    assert client._data is not None
+    assert await server.close() == 0
+    with pytest.raises(ExpertsUnavailable):
+        await asyncio.to_thread(client.forward, 0, hidden, ids, weights)
     client.close()

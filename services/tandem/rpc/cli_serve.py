@@ -60,6 +60,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds in-flight streams may run after SIGTERM before they are cancelled (default 30)")
     p.add_argument("--expert-timeout", type=float, default=30.0,
                    help="seconds one call to the experts process may take before it counts as down (default 30)")
+    p.add_argument("--spin-us", type=int, default=0,
+                   help="split roles on a Unix socket: wait for the other process spinning for up to this many "
+                        "microseconds before sleeping. Worth it (a sleeping core is slow to wake) when each "
+                        "process has cores of its own, e.g. under the kubelet's static CPU manager; it takes "
+                        "the core from the other process on shared cores (default 0: sleep at once)")
     p.set_defaults(func=run_serve)
     return p
 
@@ -78,7 +83,8 @@ def options_from_args(args):
         num_device_blocks=args.num_device_blocks, cpu_decode=args.cpu_decode,
         expert_quant=args.expert_quant, dense_quant=args.dense_quant, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout)
+        max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout,
+        spin_us=args.spin_us)
 
 
 def run_serve(args) -> int:

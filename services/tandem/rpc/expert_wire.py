@@ -13,15 +13,22 @@ Frames, little-endian:
   hidden [T, H] in that dtype, topk_ids [T, k] int64, topk_weights [T, k] float32;
 - response: header `RESPONSE` (magic, status, payload bytes), then the output [T, H] in the
   request's dtype (status OK) or a UTF-8 message (INVALID_ARGUMENT, UNAVAILABLE, INTERNAL).
+
+The native extension reads and writes the frames when it is loaded (`experts/csrc/data_plane.cpp`:
+no GIL, no copies through Python bytes), and can wait for the peer spinning (`spin_us`) instead of
+sleeping, for processes on cores of their own. The functions here are the reference it is tested
+against, and serve where the extension is not built.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 
 import torch
 
+from tandem.experts import native
 from tandem.rpc.experts_server import check_forward_tensors
 from tandem.rpc.tensors import BadTensor, tensor_bytes, tensor_from_bytes
 
@@ -35,8 +42,30 @@ DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 MAX_FRAME_BYTES = 1 << 30  # as the gRPC message limit
 
 
+use_native = True  # tests turn it off to check the reference functions
+
+
 class WireError(RuntimeError):
     """A frame that does not parse: the connection is out of step and must be closed."""
+
+
+def _native_wire():
+    if not use_native:
+        return None
+    kernel = native.load_kernel()
+    return None if kernel is None else kernel.wire
+
+
+def _timeout_ms(sock: socket.socket) -> int:
+    timeout = sock.gettimeout()
+    return -1 if timeout is None else math.ceil(timeout * 1000)
+
+
+def _call_native(fn, *args):
+    try:
+        return fn(*args)
+    except native.load_kernel().wire.BadFrame as exc:
+        raise WireError(str(exc)) from None
 
 
 def data_socket_path(listen: str) -> str | None:
@@ -65,14 +94,20 @@ def send_request(sock: socket.socket, layer: int, hidden: torch.Tensor, topk_ids
     check_forward_tensors(hidden, topk_ids, topk_weights)
     if hidden.dtype not in DTYPE_CODES:
         raise BadTensor("hidden", f"must be float32, bfloat16 or float16, got {hidden.dtype}")
+    ids, weights = topk_ids.to(torch.int64).contiguous(), topk_weights.to(torch.float32).contiguous()
+    if (w := _native_wire()) is not None:
+        w.send_request(sock.fileno(), layer, hidden.contiguous(), ids, weights, _timeout_ms(sock))
+        return
     tokens, size = hidden.shape
     header = REQUEST.pack(REQUEST_MAGIC, DTYPE_CODES[hidden.dtype], layer, tokens, size, topk_ids.shape[1])
-    ids, weights = topk_ids.to(torch.int64), topk_weights.to(torch.float32)
     sock.sendall(header + tensor_bytes(hidden) + tensor_bytes(ids) + tensor_bytes(weights))
 
 
-def recv_request(sock: socket.socket) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(layer, hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32)."""
+def recv_request(sock: socket.socket, spin_us: int = 0) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(layer, hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32). The native
+    reader polls for up to `spin_us` before sleeping until the frame comes."""
+    if (w := _native_wire()) is not None:
+        return _call_native(w.recv_request, sock.fileno(), spin_us, _timeout_ms(sock))
     magic, code, layer, tokens, size, top_k = REQUEST.unpack(recv_exact(sock, REQUEST.size))
     if magic != REQUEST_MAGIC or code not in DTYPES:
         raise WireError(f"not an expert-forward frame (magic {magic!r}, dtype code {code})")
@@ -87,12 +122,23 @@ def recv_request(sock: socket.socket) -> tuple[int, torch.Tensor, torch.Tensor, 
 
 
 def send_response(sock: socket.socket, status: int, payload: torch.Tensor | str) -> None:
+    if (w := _native_wire()) is not None:
+        if isinstance(payload, str):
+            w.send_response(sock.fileno(), status, torch.empty(0), payload, _timeout_ms(sock))
+        else:
+            w.send_response(sock.fileno(), status, payload.contiguous(), "", _timeout_ms(sock))
+        return
     data = payload.encode() if isinstance(payload, str) else tensor_bytes(payload)
     sock.sendall(RESPONSE.pack(RESPONSE_MAGIC, status, len(data)) + data)
 
 
-def recv_response(sock: socket.socket, dtype: torch.dtype, shape: tuple[int, int]) -> tuple[int, torch.Tensor | str]:
-    """(OK, output tensor) or (error status, message)."""
+def recv_response(sock: socket.socket, dtype: torch.dtype, shape: tuple[int, int],
+                  spin_us: int = 0) -> tuple[int, torch.Tensor | str]:
+    """(OK, output tensor) or (error status, message). The native reader polls for up to
+    `spin_us` before sleeping until the response comes."""
+    if (w := _native_wire()) is not None:
+        return tuple(_call_native(w.recv_response, sock.fileno(), DTYPE_CODES[dtype], shape[0], shape[1], spin_us,
+                                  _timeout_ms(sock)))
     magic, status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
     if magic != RESPONSE_MAGIC or length > MAX_FRAME_BYTES:
         raise WireError(f"not an expert-forward response (magic {magic!r})")

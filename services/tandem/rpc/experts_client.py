@@ -29,15 +29,18 @@ class GrpcExpertExecutor:
     `host:port`). Raises ExpertsUnavailable when it cannot be reached within `timeout_s`.
 
     Once `info()` has seen the experts process advertise a data plane socket (same host), and
-    unless `data_plane=False`, Forward goes over it (`tandem.rpc.expert_wire`) instead of gRPC."""
+    unless `data_plane=False`, Forward goes over it (`tandem.rpc.expert_wire`) instead of gRPC,
+    waiting for each answer spinning for up to `spin_us` before sleeping."""
 
-    def __init__(self, address: str, *, timeout_s: float = 30.0, metrics=None, data_plane: bool = True):
+    def __init__(self, address: str, *, timeout_s: float = 30.0, metrics=None, data_plane: bool = True,
+                 spin_us: int = 0):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.use_data_plane = data_plane
+        self.spin_us = spin_us
         self.data_socket: str | None = None  # advertised by the experts process
         self._data: socket.socket | None = None
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -65,7 +68,7 @@ class GrpcExpertExecutor:
                 self._data.settimeout(self.timeout_s)
                 self._data.connect(self.data_socket)
             wire.send_request(self._data, layer, hidden, topk_ids, topk_weights)
-            status, payload = wire.recv_response(self._data, hidden.dtype, tuple(hidden.shape))
+            status, payload = wire.recv_response(self._data, hidden.dtype, tuple(hidden.shape), self.spin_us)
         except BadTensor as exc:  # refused before sending: the connection is still in step
             raise RuntimeError(f"{where}: INVALID_ARGUMENT: {exc}") from exc
         except (OSError, wire.WireError) as exc:  # refused, reset, timed out: down, as gRPC's UNAVAILABLE

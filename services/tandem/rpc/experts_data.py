@@ -1,6 +1,7 @@
 """The experts process's data plane server: Forward frames (`tandem.rpc.expert_wire`) over a
 Unix socket, one blocking thread per connection, answered by the same checked, serialised
-`ExpertsServicer.forward` the gRPC method uses."""
+`ExpertsServicer.forward` the gRPC method uses. Each connection waits for its next frame spinning
+for up to `spin_us` before sleeping (see `tandem.rpc.expert_wire`)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ log = logging.getLogger(__name__)
 class DataPlaneServer:
     """Listens on `path` until `close()`; `forward(layer, hidden, ids, weights)` answers frames."""
 
-    def __init__(self, path: str, servicer):
+    def __init__(self, path: str, servicer, spin_us: int = 0):
         self.path = path
         self.servicer = servicer
+        self.spin_us = spin_us
         prepare_unix_socket(f"unix:{path}")  # a stale socket from a crashed process goes
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(path)  # in the pod's socket emptyDir, next to the gRPC socket
@@ -49,7 +51,7 @@ class DataPlaneServer:
         try:
             while True:
                 try:
-                    layer, hidden, ids, weights = wire.recv_request(conn)
+                    layer, hidden, ids, weights = wire.recv_request(conn, self.spin_us)
                 except (ConnectionError, OSError):
                     return  # the client went away
                 try:

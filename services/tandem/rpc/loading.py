@@ -81,7 +81,7 @@ def connect_experts(opts, metrics: ServingMetrics) -> tuple[GrpcExpertExecutor, 
     """`--role attention`: the client of the experts process, and whether it answered now.
 
     A process that answers must serve the same model; one that does not is retried later."""
-    client = GrpcExpertExecutor(opts.experts, timeout_s=opts.expert_timeout_s, metrics=metrics)
+    client = GrpcExpertExecutor(opts.experts, timeout_s=opts.expert_timeout_s, metrics=metrics, spin_us=opts.spin_us)
     try:
         info = client.info(timeout_s=min(2.0, opts.expert_timeout_s))
     except ExpertsUnavailable as exc:

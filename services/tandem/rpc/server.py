@@ -64,6 +64,7 @@ class ServeOptions:
     max_waiting: int = 1024
     shutdown_grace_s: float = 30.0
     expert_timeout_s: float = 30.0
+    spin_us: int = 0  # data plane: poll the peer this long before sleeping (cores of its own)
 
     def __post_init__(self):
         if self.role not in contract.ROLES:
@@ -87,6 +88,8 @@ class ServeOptions:
             raise ValueError("--shutdown-grace must be >= 0 and --expert-timeout > 0")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
+        if not 0 <= self.spin_us <= 1_000_000:
+            raise ValueError(f"--spin-us must be in 0..1000000, got {self.spin_us}")
 
     @property
     def service(self) -> str:
@@ -167,7 +170,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
             executor, info = loaded
             path = data_socket_path(opts.listen)
             if path is not None:  # the hot path for a same-host attention process
-                data_plane = DataPlaneServer(path, servicer)
+                data_plane = DataPlaneServer(path, servicer, spin_us=opts.spin_us)
                 info.data_socket = path
             servicer.attach(executor, info, CpuAttention(SharedCpuKV(opts.kv_shm)) if opts.kv_shm else None)
             await health_state.set(True)

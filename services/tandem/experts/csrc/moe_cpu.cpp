@@ -395,4 +395,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return tandem::g_isa; }, "the instruction set in use");
   m.def("supported_isas", &tandem::supported_isas, "instruction sets this CPU can run");
   tandem::bind_decode_layer(m);
+  tandem::bind_data_plane(m);
 }

@@ -1,6 +1,6 @@
 // The kernels one translation unit calls from another: the routed experts and dense layers
 // (moe_cpu.cpp), paged decode attention (paged_attention.cpp), and the fused decode layer
-// (decode_layer.cpp) that strings them together.
+// (decode_layer.cpp) that strings them together, and the data plane's frames (data_plane.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -28,5 +28,8 @@ void paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, 
 
 // Registers the DecodeLayer class on the extension module.
 void bind_decode_layer(pybind11::module& m);
+
+// Registers the `wire` submodule: the experts data plane's frames (data_plane.cpp).
+void bind_data_plane(pybind11::module& m);
 
 }  // namespace tandem

@@ -1,0 +1,298 @@
+// The experts data plane's frames (tandem/rpc/expert_wire.py describes the format and keeps the
+// pure-Python reference) read and written in native code, without the GIL.
+//
+// A split replica makes one round trip per MoE layer per step. In Python, packing and parsing a
+// frame costs a few hundred microseconds on a small VM (every op runs cold after the layer's
+// weight stream); here it is a sendmsg and a few recvs into the tensors' own memory.
+//
+// Waiting for the peer can spin: a process whose cores are its own (Kubernetes' static CPU
+// manager, `--split-cores disjoint`) polls the socket for up to `spin_us` before sleeping in
+// poll(2). A sleeping vCPU is expensive to wake: measured here, a blocking round trip around
+// 1 ms of work on the other side costs 1.1 ms more than the work, a spinning one 11 µs.
+// On shared cores spinning takes the core the peer needs, so it is off unless asked for.
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "ops.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the frames are little-endian, as this host must be");
+
+namespace tandem {
+namespace {
+
+namespace py = pybind11;
+
+struct Closed : std::runtime_error {  // the peer closed the connection (Python: ConnectionError)
+  using std::runtime_error::runtime_error;
+};
+struct TimedOut : std::runtime_error {  // the socket's timeout passed (Python: TimeoutError)
+  using std::runtime_error::runtime_error;
+};
+struct BadFrame : std::runtime_error {  // a frame that does not parse (Python: expert_wire.WireError)
+  using std::runtime_error::runtime_error;
+};
+struct SocketError : std::runtime_error {  // any other failed socket call (Python: OSError)
+  using std::runtime_error::runtime_error;
+};
+
+#pragma pack(push, 1)
+struct RequestHeader {  // expert_wire.REQUEST: "<4sIIIII"
+  char magic[4];
+  uint32_t dtype, layer, tokens, hidden, top_k;
+};
+struct ResponseHeader {  // expert_wire.RESPONSE: "<4sII"
+  char magic[4];
+  uint32_t status, bytes;
+};
+#pragma pack(pop)
+static_assert(sizeof(RequestHeader) == 24 && sizeof(ResponseHeader) == 12, "frame headers are packed");
+
+constexpr char kRequestMagic[4] = {'T', 'X', 'F', '1'};
+constexpr char kResponseMagic[4] = {'T', 'X', 'R', '1'};
+constexpr uint32_t kOk = 0;
+constexpr uint64_t kMaxFrameBytes = uint64_t{1} << 30;  // expert_wire.MAX_FRAME_BYTES
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void throw_errno(const char* what) {
+  const int err = errno;
+  if (err == EPIPE || err == ECONNRESET) throw Closed(std::string(what) + ": " + std::strerror(err));
+  throw SocketError(std::string(what) + ": " + std::strerror(err));
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Sleeps in poll(2) until fd is ready for `events`, for up to timeout_ms (-1: no limit).
+void poll_for(int fd, short events, int64_t timeout_ms) {
+  pollfd p{fd, events, 0};
+  for (;;) {
+    const int r = poll(&p, 1, static_cast<int>(timeout_ms));
+    if (r > 0) return;
+    if (r == 0) throw TimedOut("timed out");
+    if (errno != EINTR) throw_errno("poll");
+  }
+}
+
+// Returns once fd has data (or EOF) to read: polling without sleeping for up to spin_us, then
+// sleeping in poll(2).
+void wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
+  if (spin_us > 0) {
+    const auto until = Clock::now() + std::chrono::microseconds(spin_us);
+    char byte;
+    do {
+      if (recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) >= 0) return;  // data, or EOF for the reader to see
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) throw_errno("recv");
+      cpu_relax();
+    } while (Clock::now() < until);
+  }
+  poll_for(fd, POLLIN, timeout_ms);
+}
+
+// Exactly n bytes into buf (the socket may be blocking or not: Python sockets with a timeout are
+// non-blocking underneath). Closed when the peer closes first.
+void read_exact(int fd, void* buf, size_t n, int64_t timeout_ms) {
+  char* p = static_cast<char*>(buf);
+  while (n > 0) {
+    const ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
+    if (k > 0) {
+      p += k;
+      n -= static_cast<size_t>(k);
+    } else if (k == 0) {
+      throw Closed("the peer closed the connection");
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      wait_readable(fd, 0, timeout_ms);
+    } else if (errno != EINTR) {
+      throw_errno("recv");
+    }
+  }
+}
+
+// Every byte of the iovecs, in order.
+void write_all(int fd, iovec* iov, int count, int64_t timeout_ms) {
+  while (count > 0) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(count);
+    ssize_t k = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        poll_for(fd, POLLOUT, timeout_ms);
+        continue;
+      }
+      if (errno == EINTR) continue;
+      throw_errno("sendmsg");
+    }
+    while (count > 0 && static_cast<size_t>(k) >= iov->iov_len) {
+      k -= static_cast<ssize_t>(iov->iov_len);
+      ++iov;
+      --count;
+    }
+    if (count > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + k;
+      iov->iov_len -= static_cast<size_t>(k);
+    }
+  }
+}
+
+at::ScalarType dtype_of(uint32_t code) {
+  switch (code) {
+    case 0: return at::kFloat;
+    case 1: return at::kBFloat16;
+    case 2: return at::kHalf;
+    default: return at::ScalarType::Undefined;
+  }
+}
+
+uint32_t code_of(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: TORCH_CHECK(false, "the data plane carries float32, bfloat16 or float16 hidden states, not ", dtype);
+  }
+}
+
+iovec bytes_of(const at::Tensor& t) {
+  return {t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size()};
+}
+
+std::string magic_repr(const char* magic) {  // as Python prints bytes, for the error message
+  std::string out = "b'";
+  for (int i = 0; i < 4; ++i) {
+    const unsigned char c = static_cast<unsigned char>(magic[i]);
+    if (c >= 32 && c < 127 && c != '\'' && c != '\\') {
+      out += static_cast<char>(c);
+    } else {
+      char hex[5];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    }
+  }
+  return out + "'";
+}
+
+// The contiguous tensors of a request; the caller (expert_wire.send_request) has checked shapes and dtypes.
+void send_request(int fd, int64_t layer, const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
+                  int64_t timeout_ms) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && ids.is_contiguous() && weights.is_contiguous() &&
+                  ids.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && ids.dim() == 2 &&
+                  ids.sizes() == weights.sizes() && ids.size(0) == hidden.size(0),
+              "send_request: hidden [T, H], ids [T, k] int64 and weights [T, k] f32, contiguous");
+  const RequestHeader header{{kRequestMagic[0], kRequestMagic[1], kRequestMagic[2], kRequestMagic[3]},
+                             code_of(hidden.scalar_type()), static_cast<uint32_t>(layer),
+                             static_cast<uint32_t>(hidden.size(0)), static_cast<uint32_t>(hidden.size(1)),
+                             static_cast<uint32_t>(ids.size(1))};
+  iovec iov[4] = {{const_cast<RequestHeader*>(&header), sizeof header}, bytes_of(hidden), bytes_of(ids),
+                  bytes_of(weights)};
+  write_all(fd, iov, 4, timeout_ms);
+}
+
+// (layer, hidden [T, H], ids [T, k] int64, weights [T, k] f32) of the next request.
+std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> recv_request(int fd, int64_t spin_us, int64_t timeout_ms) {
+  wait_readable(fd, spin_us, timeout_ms);
+  RequestHeader h;
+  read_exact(fd, &h, sizeof h, timeout_ms);
+  const at::ScalarType dtype = dtype_of(h.dtype);
+  if (std::memcmp(h.magic, kRequestMagic, 4) != 0 || dtype == at::ScalarType::Undefined)
+    throw BadFrame("not an expert-forward frame (magic " + magic_repr(h.magic) + ", dtype code " +
+                   std::to_string(h.dtype) + ")");
+  const uint64_t itemsize = c10::elementSize(dtype);
+  if (uint64_t{h.tokens} * (uint64_t{h.hidden} * itemsize + uint64_t{h.top_k} * 12) > kMaxFrameBytes)
+    throw BadFrame("a frame of " + std::to_string(h.tokens) + " tokens x " + std::to_string(h.hidden) +
+                   " is larger than " + std::to_string(kMaxFrameBytes) + " bytes");
+  const int64_t T = h.tokens, H = h.hidden, k = h.top_k;
+  at::Tensor hidden = at::empty({T, H}, at::TensorOptions().dtype(dtype));
+  at::Tensor ids = at::empty({T, k}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor weights = at::empty({T, k}, at::TensorOptions().dtype(at::kFloat));
+  for (const at::Tensor* t : {&hidden, &ids, &weights}) {
+    const iovec b = bytes_of(*t);
+    read_exact(fd, b.iov_base, b.iov_len, timeout_ms);
+  }
+  return {static_cast<int64_t>(h.layer), hidden, ids, weights};
+}
+
+void send_response(int fd, int64_t status, const at::Tensor& output, const std::string& message, int64_t timeout_ms) {
+  ResponseHeader header{{kResponseMagic[0], kResponseMagic[1], kResponseMagic[2], kResponseMagic[3]},
+                        static_cast<uint32_t>(status), 0};
+  iovec iov[2] = {{&header, sizeof header}, {}};
+  if (status == kOk) {
+    TORCH_CHECK(output.is_contiguous(), "send_response: the output must be contiguous");
+    iov[1] = bytes_of(output);
+  } else {
+    iov[1] = {const_cast<char*>(message.data()), message.size()};
+  }
+  header.bytes = static_cast<uint32_t>(iov[1].iov_len);
+  write_all(fd, iov, 2, timeout_ms);
+}
+
+// (status, output [T, H] of dtype when OK, the error message's bytes otherwise).
+std::tuple<int64_t, at::Tensor, std::string> recv_response(int fd, at::ScalarType dtype, int64_t tokens, int64_t size,
+                                                            int64_t spin_us, int64_t timeout_ms) {
+  TORCH_CHECK(dtype != at::ScalarType::Undefined, "recv_response: dtype code must be 0 (f32), 1 (bf16) or 2 (f16)");
+  wait_readable(fd, spin_us, timeout_ms);
+  ResponseHeader h;
+  read_exact(fd, &h, sizeof h, timeout_ms);
+  if (std::memcmp(h.magic, kResponseMagic, 4) != 0 || h.bytes > kMaxFrameBytes)
+    throw BadFrame("not an expert-forward response (magic " + magic_repr(h.magic) + ")");
+  if (h.status != kOk) {
+    std::string message(h.bytes, '\0');
+    read_exact(fd, message.data(), message.size(), timeout_ms);
+    return {h.status, at::Tensor(), message};
+  }
+  const uint64_t expected = static_cast<uint64_t>(tokens) * size * c10::elementSize(dtype);
+  if (h.bytes != expected)
+    throw BadFrame("response of " + std::to_string(h.bytes) + " bytes, expected " + std::to_string(expected) + " for [" +
+                   std::to_string(tokens) + ", " + std::to_string(size) + "] " + c10::toString(dtype));
+  at::Tensor out = at::empty({tokens, size}, at::TensorOptions().dtype(dtype));
+  read_exact(fd, out.data_ptr(), expected, timeout_ms);
+  return {kOk, out, std::string()};
+}
+
+}  // namespace
+
+void bind_data_plane(py::module& m) {
+  py::module w = m.def_submodule("wire", "the experts data plane's frames (tandem.rpc.expert_wire), without the GIL");
+  py::register_exception<Closed>(w, "Closed", PyExc_ConnectionError);
+  py::register_exception<TimedOut>(w, "TimedOut", PyExc_TimeoutError);
+  py::register_exception<BadFrame>(w, "BadFrame", PyExc_RuntimeError);
+  py::register_exception<SocketError>(w, "SocketError", PyExc_OSError);
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  w.def("send_request", &send_request, py::arg("fd"), py::arg("layer"), py::arg("hidden"), py::arg("ids"),
+        py::arg("weights"), py::arg("timeout_ms"), nogil());
+  w.def("recv_request", &recv_request, py::arg("fd"), py::arg("spin_us"), py::arg("timeout_ms"), nogil());
+  w.def("send_response", &send_response, py::arg("fd"), py::arg("status"), py::arg("output"), py::arg("message"),
+        py::arg("timeout_ms"), nogil());
+  w.def(
+      "recv_response",
+      [](int fd, uint32_t dtype_code, int64_t tokens, int64_t size, int64_t spin_us, int64_t timeout_ms) -> py::tuple {
+        std::tuple<int64_t, at::Tensor, std::string> r;
+        {
+          py::gil_scoped_release nogil;
+          r = recv_response(fd, dtype_of(dtype_code), tokens, size, spin_us, timeout_ms);
+        }
+        auto& [status, out, message] = r;
+        if (status == kOk) return py::make_tuple(status, out);
+        return py::make_tuple(status, py::bytes(message).attr("decode")("utf-8", "replace"));
+      },
+      py::arg("fd"), py::arg("dtype_code"), py::arg("tokens"), py::arg("size"), py::arg("spin_us"), py::arg("timeout_ms"));
+}
+
+}  // namespace tandem
