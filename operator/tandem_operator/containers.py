@@ -49,6 +49,7 @@ def build_attention_container(spec: HybridModelSpec) -> dict:
         FLAGS["device"], "cuda",
         FLAGS["gpu_memory_fraction"], _number(spec.kvCache.gpuMemoryFraction),
         FLAGS["cpu_decode"] if spec.kvCache.cpuDecode else FLAGS["no_cpu_decode"],
+        *_spin_args(spec),
     ]
     resources = {"cpu": str(spec.attention.cpus), "memory": spec.attention.memory,
                  "nvidia.com/gpu": str(spec.attention.gpus)}
@@ -75,6 +76,7 @@ def build_experts_container(spec: HybridModelSpec) -> dict:
         FLAGS["device"], "cpu",
         FLAGS["threads"], str(threads),
         FLAGS["expert_quant"], spec.experts.quantization,
+        *_spin_args(spec),
     ]
     resources = {"cpu": str(spec.experts.cpus), "memory": spec.experts.memory}
     container = _common(spec, names.EXPERTS, args, resources)
@@ -119,6 +121,13 @@ def _serve_args(spec: HybridModelSpec, role: str) -> list[str]:
         FLAGS["block_size"], str(spec.kvCache.blockSize),
         FLAGS["cpu_kv_gib"], str(spec.kvCache.cpuTierGiB),
     ]
+
+
+def _spin_args(spec: HybridModelSpec) -> list[str]:
+    # Only when set: a new flag in every pod template would roll every HybridModel's pods on an
+    # operator upgrade.
+    us = spec.experts.spinMicroseconds
+    return [FLAGS["spin_us"], str(us)] if us else []
 
 
 def _common(spec: HybridModelSpec, name: str, args: list[str], resources: dict) -> dict:

@@ -51,6 +51,7 @@ class ExpertsSpec:
     memory: str = "128Gi"
     threads: int | None = None
     quantization: str = "none"
+    spinMicroseconds: int = 0  # both containers poll the data plane this long before sleeping
 
     @property
     def compute_threads(self) -> int:
@@ -170,6 +171,7 @@ def _experts(raw: Mapping) -> ExpertsSpec:
         memory=_quantity(raw, "memory", "spec.experts", "128Gi"),
         threads=None if threads is None else _int(raw, "threads", "spec.experts", None, minimum=1),
         quantization=_choice(raw, "quantization", "spec.experts", "none", contract.EXPERT_QUANTS),
+        spinMicroseconds=_int(raw, "spinMicroseconds", "spec.experts", 0, minimum=0, maximum=1_000_000),
     )
 
 

@@ -53,6 +53,7 @@ SERVE_FLAGS = {
     "expert_quant": "--expert-quant",
     "cpu_decode": "--cpu-decode",  # a boolean flag: the operator renders it or no_cpu_decode
     "no_cpu_decode": "--no-cpu-decode",
+    "spin_us": "--spin-us",  # rendered only when spec.experts.spinMicroseconds is set
 }
 EXPERT_QUANTS = ("none", "int8", "int4")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import kubernetes_validate.utils
 import pytest
 from kubernetes.utils import parse_quantity
@@ -154,7 +156,16 @@ def test_container_commands_follow_the_contract():
     assert flag(attention, "model") == flag(experts, "model") == "/models"
     assert flag(experts, "threads") == "46" and flag(experts, "expert_quant") == "int8"
     assert flag(attention, "metrics_port") != flag(experts, "metrics_port")
+    assert contract.SERVE_FLAGS["spin_us"] not in attention["args"] + experts["args"]  # unset: not rendered
     assert spec.replicas == children(SPECS["hostpath-int8"])["Deployment"]["spec"]["replicas"] == 3
+
+
+def test_spin_microseconds_reaches_both_ends_of_the_data_plane():
+    raw = copy.deepcopy(SPECS["hostpath-int8"])
+    raw["experts"]["spinMicroseconds"] = 20000
+    for container in containers(raw).values():
+        args = container["args"]
+        assert args[args.index(contract.SERVE_FLAGS["spin_us"]) + 1] == "20000", container["name"]
 
 
 @pytest.mark.parametrize("name", SPECS)

@@ -20,7 +20,7 @@ GOOD = {
                                               "metrics": {"source": "Prometheus",
                                                           "prometheus": {"url": "http://prom:9090"}}}},
     "tuned": {"kvCache": {"blockSize": 64, "gpuMemoryFraction": 1, "cpuTierGiB": 0},
-              "experts": {"cpus": 1, "memory": "1.5Gi", "threads": 2, "quantization": "int4"}},
+              "experts": {"cpus": 1, "memory": "1.5Gi", "threads": 2, "quantization": "int4", "spinMicroseconds": 20000}},
 }
 # Each breaks one rule the schema itself can express (CEL rules are checked in parse_spec).
 BAD = {
@@ -34,6 +34,8 @@ BAD = {
     "zero-gpus": ({"attention": {"gpus": 0}}, "gpus"),
     "zero-gpu-fraction": ({"kvCache": {"gpuMemoryFraction": 0}}, "gpuMemoryFraction"),
     "unknown-quant": ({"experts": {"quantization": "fp4"}}, "quantization"),
+    "negative-spin": ({"experts": {"spinMicroseconds": -1}}, "spinMicroseconds"),
+    "second-long-spin": ({"experts": {"spinMicroseconds": 2_000_000}}, "spinMicroseconds"),
     "bad-source": ({"autoscaling": {"metrics": {"source": "Datadog"}}}, "source"),
     "bad-url": ({"autoscaling": {"metrics": {"prometheus": {"url": "prom:9090"}}}}, "url"),
 }

@@ -60,7 +60,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds in-flight streams may run after SIGTERM before they are cancelled (default 30)")
     p.add_argument("--expert-timeout", type=float, default=30.0,
                    help="seconds one call to the experts process may take before it counts as down (default 30)")
-    p.add_argument("--spin-us", type=int, default=0,
+    p.add_argument(F["spin_us"], type=int, default=0,
                    help="split roles on a Unix socket: wait for the other process spinning for up to this many "
                         "microseconds before sleeping. Worth it (a sleeping core is slow to wake) when each "
                         "process has cores of its own, e.g. under the kubelet's static CPU manager; it takes "
