@@ -7,9 +7,10 @@
 //
 // Waiting for the peer can spin: a process whose cores are its own (Kubernetes' static CPU
 // manager, `--split-cores disjoint`) polls the socket for up to `spin_us` before sleeping in
-// poll(2). A sleeping vCPU is expensive to wake: measured here, a blocking round trip around
-// 1 ms of work on the other side costs 1.1 ms more than the work, a spinning one 11 µs.
-// On shared cores spinning takes the core the peer needs, so it is off unless asked for.
+// poll(2). A sleeping vCPU is slow to wake: on the development VM a round trip around 1–2 ms of
+// work on the other side costs 75–120 µs more than the work when both sides sleep, 35–50 µs when
+// they poll (benchmarks/wakeup_roundtrip.py), and each MoE layer makes one. On shared cores
+// spinning takes the core the peer needs, so it is off unless asked for.
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
