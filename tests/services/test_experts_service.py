@@ -164,3 +164,47 @@ async def test_spinning_ends_of_the_data_plane_answer_and_shut_down(start_server
     with pytest.raises(ExpertsUnavailable):
         await asyncio.to_thread(client.forward, 0, hidden, ids, weights)
     client.close()
+
+
+async def test_decode_frames_are_served_natively_and_the_rest_by_python(start_server, model_dir, tmp_path,
+                                                                         monkeypatch):
+    """The native end answers float32 decode frames itself (counted, and timed into the expert
+    latency histogram); bf16, prefill-sized and invalid frames go through the checked Python path
+    with its errors. Every answer equals the executor computed in this process."""
+    from tandem.rpc import experts_server
+
+    made = []
+    build = experts_server.native_expert_server
+    monkeypatch.setattr(experts_server, "native_expert_server", lambda *a: made.append(build(*a)) or made[-1])
+    path = model_dir("mixtral")
+    server = await start_server(model=str(path), role="experts", listen=f"unix:{tmp_path}/experts.sock",
+                                metrics_port=0)
+    local = build_expert_executor(path)
+    client = GrpcExpertExecutor(server.address)
+    await asyncio.to_thread(client.info)
+    [native_end] = made
+    assert native_end is not None
+
+    def latency_count() -> float:
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+        line = next(l for l in text.splitlines() if l.startswith(contract.EXPERT_CALL_LATENCY + "_count"))
+        return float(line.split()[-1])
+
+    before_served, before_count = native_end.served, latency_count()
+    hidden, ids, weights = batch(tokens=3)
+    assert torch.equal(await asyncio.to_thread(client.forward, 1, hidden, ids, weights),
+                       local.forward(1, hidden, ids, weights))
+    assert native_end.served == before_served + 1
+    assert latency_count() == before_count + 1
+    for tokens, dtype in ((3, torch.bfloat16), (local.prefill_tokens + 1, torch.float32)):  # Python's
+        hidden, ids, weights = batch(tokens=tokens, dtype=dtype)
+        assert torch.equal(await asyncio.to_thread(client.forward, 0, hidden, ids, weights),
+                           local.forward(0, hidden, ids, weights))
+    hidden, ids, weights = batch()
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: topk_ids:"):
+        await asyncio.to_thread(client.forward, 0, hidden, ids + 8, weights)
+    assert native_end.served == before_served + 1  # none of those
+    assert latency_count() == before_count + 3
+    client.close()

@@ -121,6 +121,16 @@ def recv_request(sock: socket.socket, spin_us: int = 0) -> tuple[int, torch.Tens
     return layer, hidden, ids, weights
 
 
+SERVED, SERVED_FAILING, FOR_PYTHON = 1, 2, 0  # what `serve_native` did with a frame
+
+
+def serve_native(server, sock: socket.socket, spin_us: int = 0) -> tuple:
+    """Reads the next frame into the native `ExpertServer`: (SERVED, seconds of compute),
+    (SERVED_FAILING, message) when the kernel failed and INTERNAL was answered, or
+    (FOR_PYTHON, layer, hidden, ids, weights) for a frame it leaves to the checked Python path."""
+    return _call_native(server.serve_one, sock.fileno(), spin_us, _timeout_ms(sock))
+
+
 def send_response(sock: socket.socket, status: int, payload: torch.Tensor | str) -> None:
     if (w := _native_wire()) is not None:
         if isinstance(payload, str):

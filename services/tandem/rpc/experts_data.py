@@ -1,7 +1,8 @@
 """The experts process's data plane server: Forward frames (`tandem.rpc.expert_wire`) over a
 Unix socket, one blocking thread per connection, answered by the same checked, serialised
 `ExpertsServicer.forward` the gRPC method uses. Each connection waits for its next frame spinning
-for up to `spin_us` before sleeping (see `tandem.rpc.expert_wire`)."""
+for up to `spin_us` before sleeping (see `tandem.rpc.expert_wire`). With the native executor,
+decode frames are answered in native code (`ExpertsServicer.native_server`) and the rest here."""
 
 from __future__ import annotations
 
@@ -50,8 +51,19 @@ class DataPlaneServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             while True:
+                native = self.servicer.native_server if wire.use_native else None
                 try:
-                    layer, hidden, ids, weights = wire.recv_request(conn, self.spin_us)
+                    if native is None:
+                        layer, hidden, ids, weights = wire.recv_request(conn, self.spin_us)
+                    else:
+                        served = wire.serve_native(native, conn, self.spin_us)
+                        if served[0] == wire.SERVED:
+                            self.servicer.metrics.expert_call_latency.observe(served[1])
+                            continue
+                        if served[0] == wire.SERVED_FAILING:
+                            log.error("native expert forward failed: %s", served[1])
+                            continue
+                        _, layer, hidden, ids, weights = served
                 except (ConnectionError, OSError):
                     return  # the client went away
                 try:

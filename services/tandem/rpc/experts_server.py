@@ -58,14 +58,43 @@ class NotLoaded(RuntimeError):
     """The expert weights are still loading (UNAVAILABLE)."""
 
 
+def native_expert_server(executor, hidden_size: int):
+    """The data plane's native end for `executor` (`wire.ExpertServer`: decode-sized float32 frames
+    served without Python), or None when the executor does not run the native kernel."""
+    from tandem.experts.cpu_executor import CpuExpertExecutor
+
+    if type(executor) is not CpuExpertExecutor or executor.native is None:
+        return None
+    server = executor.native.wire.ExpertServer(hidden_size, executor.prefill_tokens)
+    for index, layer in executor.layers.items():
+        server.add_layer(index, layer.kind, layer.group_size, *layer.native_args())
+    return server
+
+
+class NativeLock:
+    """The native server's lock as a context manager: one lock around all expert compute."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def __enter__(self):
+        self.server.lock()
+
+    def __exit__(self, *exc) -> None:
+        self.server.unlock()
+
+
 class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
     """Serves one ExpertExecutor. Calls run one at a time, on a worker thread for gRPC and on the
     data plane's connection threads (`tandem.rpc.experts_data`): torch's own threads
-    parallelise each call, and the attention process sends one layer at a time anyway."""
+    parallelise each call, and the attention process sends one layer at a time anyway. With the
+    native executor, the data plane serves decode frames in native code (`native_server`), under
+    the same lock."""
 
     def __init__(self, metrics: ServingMetrics):
         self.metrics = metrics
         self.executor = None
+        self.native_server = None
         self.info = experts_pb2.ExpertsInfo()
         self.cpu_attention = None
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="experts")
@@ -73,6 +102,9 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
 
     def attach(self, executor, info: experts_pb2.ExpertsInfo, cpu_attention=None) -> None:
         """Starts serving `executor`; until then every call answers UNAVAILABLE (weights loading)."""
+        self.native_server = native_expert_server(executor, info.hidden_size)
+        if self.native_server is not None:
+            self._one_at_a_time = NativeLock(self.native_server)
         self.executor, self.info, self.cpu_attention = executor, info, cpu_attention
 
     async def _check_loaded(self, context) -> None:

@@ -15,12 +15,15 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "ops.h"
 
@@ -62,7 +65,7 @@ static_assert(sizeof(RequestHeader) == 24 && sizeof(ResponseHeader) == 12, "fram
 
 constexpr char kRequestMagic[4] = {'T', 'X', 'F', '1'};
 constexpr char kResponseMagic[4] = {'T', 'X', 'R', '1'};
-constexpr uint32_t kOk = 0;
+constexpr uint32_t kOk = 0, kInternal = 3;  // expert_wire.OK, INTERNAL
 constexpr uint64_t kMaxFrameBytes = uint64_t{1} << 30;  // expert_wire.MAX_FRAME_BYTES
 
 using Clock = std::chrono::steady_clock;
@@ -267,6 +270,96 @@ std::tuple<int64_t, at::Tensor, std::string> recv_response(int fd, at::ScalarTyp
   return {kOk, out, std::string()};
 }
 
+// The experts process's end of the data plane for the native executor: a decode-sized float32
+// frame for a layer it holds, with every expert id in range, is read, computed (moe_forward) and
+// answered here without Python. Any other frame (another dtype, a prefill-sized batch, anything
+// that fails a check) goes back to Python, which runs the checked path and says what is wrong.
+// `lock`/`unlock` let the Python path share the one lock around expert compute.
+class ExpertServer {
+ public:
+  ExpertServer(int64_t hidden, int64_t max_tokens) : hidden_(hidden), max_tokens_(max_tokens) {}
+
+  void add_layer(int64_t layer, int64_t kind, int64_t group, at::Tensor gu, at::Tensor gu_scale, at::Tensor gu_min,
+                 at::Tensor dn, at::Tensor dn_scale, at::Tensor dn_min) {
+    TORCH_CHECK(gu.dim() == 3 && dn.dim() == 3 && gu.size(0) == dn.size(0) && dn.size(1) == hidden_,
+                "ExpertServer: experts must be gate_up [E, 2I, *] and down [E, hidden, *]");
+    layers_[layer] = {kind, group, gu, gu_scale, gu_min, dn, dn_scale, dn_min};
+  }
+
+  void lock() { mutex_.lock(); }
+  void unlock() { mutex_.unlock(); }
+
+  // Reads the next frame and answers it: (1, seconds of compute) when served here, (2, message)
+  // when the kernel failed (answered INTERNAL), or (0, layer, hidden, ids, weights) for Python.
+  py::tuple serve_one(int fd, int64_t spin_us, int64_t timeout_ms) {
+    std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> request;
+    double seconds = 0.0;
+    std::string error;
+    const Layer* layer = nullptr;
+    {
+      py::gil_scoped_release nogil;
+      request = recv_request(fd, spin_us, timeout_ms);
+      auto& [index, hidden, ids, weights] = request;
+      layer = servable(index, hidden, ids);
+      if (layer != nullptr) {
+        at::Tensor out = at::empty_like(hidden);
+        {
+          std::lock_guard<std::mutex> hold(mutex_);
+          const int64_t need = ids.numel() * (layer->gu.size(1) / 2);
+          if (!scratch_.defined() || scratch_.numel() < need) scratch_ = at::empty({need}, hidden.options());
+          const auto start = Clock::now();
+          try {
+            moe_forward(hidden, ids, weights, layer->kind, layer->group, layer->gu, layer->gu_scale, layer->gu_min,
+                        layer->dn, layer->dn_scale, layer->dn_min, out, scratch_);
+          } catch (const c10::Error& e) {
+            error = e.what_without_backtrace();
+          } catch (const std::exception& e) {
+            error = e.what();
+          }
+          seconds = std::chrono::duration<double>(Clock::now() - start).count();
+        }
+        if (error.empty())
+          send_response(fd, kOk, out, std::string(), timeout_ms);
+        else
+          send_response(fd, kInternal, at::Tensor(), "native expert forward: " + error, timeout_ms);
+        ++served_;
+      }
+    }
+    if (layer == nullptr) {
+      auto& [index, hidden, ids, weights] = request;
+      return py::make_tuple(0, index, hidden, ids, weights);
+    }
+    if (!error.empty()) return py::make_tuple(2, error);
+    return py::make_tuple(1, seconds);
+  }
+
+  int64_t served() const { return served_.load(); }
+
+ private:
+  struct Layer {
+    int64_t kind, group;
+    at::Tensor gu, gu_scale, gu_min, dn, dn_scale, dn_min;
+  };
+
+  const Layer* servable(int64_t index, const at::Tensor& hidden, const at::Tensor& ids) const {
+    const auto it = layers_.find(index);
+    if (it == layers_.end() || hidden.scalar_type() != at::kFloat || hidden.size(1) != hidden_ ||
+        hidden.size(0) == 0 || hidden.size(0) > max_tokens_)
+      return nullptr;
+    const int64_t experts = it->second.gu.size(0);
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t i = 0, n = ids.numel(); i < n; ++i)
+      if (id[i] < 0 || id[i] >= experts) return nullptr;
+    return &it->second;
+  }
+
+  const int64_t hidden_, max_tokens_;
+  std::unordered_map<int64_t, Layer> layers_;
+  std::mutex mutex_;
+  at::Tensor scratch_;
+  std::atomic<int64_t> served_{0};
+};
+
 }  // namespace
 
 void bind_data_plane(py::module& m) {
@@ -294,6 +387,15 @@ void bind_data_plane(py::module& m) {
         return py::make_tuple(status, py::bytes(message).attr("decode")("utf-8", "replace"));
       },
       py::arg("fd"), py::arg("dtype_code"), py::arg("tokens"), py::arg("size"), py::arg("spin_us"), py::arg("timeout_ms"));
+  py::class_<ExpertServer>(w, "ExpertServer", "the experts end of the data plane for the native executor")
+      .def(py::init<int64_t, int64_t>(), py::arg("hidden"), py::arg("max_tokens"))
+      .def("add_layer", &ExpertServer::add_layer, py::arg("layer"), py::arg("kind"), py::arg("group"),
+           py::arg("gate_up"), py::arg("gate_up_scale"), py::arg("gate_up_min"), py::arg("down"),
+           py::arg("down_scale"), py::arg("down_min"))
+      .def("lock", &ExpertServer::lock, nogil())
+      .def("unlock", &ExpertServer::unlock)
+      .def("serve_one", &ExpertServer::serve_one, py::arg("fd"), py::arg("spin_us"), py::arg("timeout_ms"))
+      .def_property_readonly("served", &ExpertServer::served);
 }
 
 }  // namespace tandem
