@@ -65,25 +65,35 @@ inline float dot(const float* __restrict q, const float* __restrict k, int64_t D
   return sum;
 }
 
+// Calls fn(t, h, row) for each of a block's tokens t < n and each query head h < Hkv * g, `row`
+// being the KV row (t, h / g): rows + t * row_stride + (h / g) * kv_stride. A token's row holds
+// every KV head, so the block is read in address order; `next`, when set, is the same row of the
+// next block, asked for (row_bytes of it) a row at a time while this block is computed (the
+// pool's blocks sit anywhere, so the hardware prefetchers stop at each block's end). Inlined,
+// with fn, into each clone of its callers.
+template <class Fn>
+__attribute__((always_inline)) inline void each_row(const float* rows, int64_t row_stride, int64_t kv_stride,
+                                                    int64_t Hkv, int64_t g, int64_t n, const char* next,
+                                                    int64_t row_bytes, Fn&& fn) {
+  for (int64_t t = 0; t < n; ++t) {
+    if (next)
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * row_stride * sizeof(float) + off);
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      const float* row = rows + t * row_stride + kvh * kv_stride;
+      for (int64_t j = 0; j < g; ++j) fn(t, kvh * g + j, row);
+    }
+  }
+}
+
 // One block's scores: s[h * s_stride + t] = q_h . k_(t, h / g) for every query head h < Hkv * g
-// and the block's t < n tokens. A token's row holds every KV head (kv_stride apart), so the
-// block is read in address order; `next`, when set, is the same row of the next block, asked
-// for a row at a time while this block is computed (the pool's blocks sit anywhere, so the
-// hardware prefetchers stop at each block's end).
+// and the block's t < n tokens, the block walked by each_row.
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 void block_scores(const float* q, int64_t Hkv, int64_t g, int64_t D, const float* k, int64_t k_stride,
                   int64_t kv_stride, int64_t n, const char* next, int64_t row_bytes, float* s, int64_t s_stride) {
-  for (int64_t t = 0; t < n; ++t) {
-    if (next)
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * k_stride * sizeof(float) + off);
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-      const float* kt = k + t * k_stride + kvh * kv_stride;
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t h = kvh * g + j;
-        s[h * s_stride + t] = dot(q + h * D, kt, D);
-      }
-    }
-  }
+  each_row(k, k_stride, kv_stride, Hkv, g, n, next, row_bytes,
+           [&](int64_t t, int64_t h, const float* kt) __attribute__((always_inline)) {
+             s[h * s_stride + t] = dot(q + h * D, kt, D);
+           });
 }
 
 // s[t] = exp(s[t] - m) for t < n, returning their sum. exp is Cephes' expf (range reduction by
@@ -115,25 +125,18 @@ float exp_shifted(float* s, int64_t n, float m) {
 }
 
 // One block's values: acc_h += sum_t p[h * p_stride + t] * v_(t, h / g) for every query head h
-// (acc_h at acc + h * Dv), the block read in address order as in block_scores.
+// (acc_h at acc + h * Dv), the block walked by each_row as in block_scores.
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 void block_values(float* acc, int64_t Hkv, int64_t g, int64_t Dv, const float* v, int64_t v_stride,
                   int64_t kv_stride, int64_t n, const char* next, int64_t row_bytes, const float* p,
                   int64_t p_stride) {
-  for (int64_t t = 0; t < n; ++t) {
-    if (next)
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * v_stride * sizeof(float) + off);
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-      const float* vt = v + t * v_stride + kvh * kv_stride;
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t h = kvh * g + j;
-        float* a = acc + h * Dv;
-        const float w = p[h * p_stride + t];
+  each_row(v, v_stride, kv_stride, Hkv, g, n, next, row_bytes,
+           [&](int64_t t, int64_t h, const float* vt) __attribute__((always_inline)) {
+             float* a = acc + h * Dv;
+             const float w = p[h * p_stride + t];
 #pragma omp simd
-        for (int64_t i = 0; i < Dv; ++i) a[i] += w * vt[i];
-      }
-    }
-  }
+             for (int64_t i = 0; i < Dv; ++i) a[i] += w * vt[i];
+           });
 }
 
 // A block's rows [n] of `heads` vectors of `width` (row stride `stride`, head stride
