@@ -2,10 +2,11 @@
 in the same process, on the comparison checkpoint.
 
     python benchmarks/step_profile.py [--checkpoint DIR] [--threads 2] [--expert-quant int8] [--dense-quant int8]
+                                      [--streams 1]
 
 Wall-clock timers around the routed experts (seen through an observing executor wrapper, as the
 serving metrics see them), the model's forward and its logits, and the attention metadata, over
-40-step decode windows of one stream, best of 3 per path, the paths alternating. The native
+40-step decode windows of `--streams` concurrent streams (one batch a step), best of 3 per path, the paths alternating. The native
 path's "rest of forward" is the dense layers, attention and glue inside the native layer calls;
 its `native.*` entries split the native calls by phase (DecodeLayer's own clock), all layers together.
 """
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--expert-quant", default="int8")
     ap.add_argument("--dense-quant", default="int8")
+    ap.add_argument("--streams", type=int, default=1, help="concurrent requests, decoded as one batch")
     args = ap.parse_args()
 
     import torch
@@ -69,8 +71,10 @@ def main() -> None:
     model.forward = timed(acc, "model_forward", model.forward)
     model.compute_logits = timed(acc, "logits", model.compute_logits)
     engine.runner._step_attention = timed(acc, "metadata", engine.runner._step_attention)
-    engine.add_request("profile", list(range(5, 37)), SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
-    for _ in range(5):  # prefill and warm-up
+    for i in range(args.streams):
+        engine.add_request(f"profile-{i}", list(range(5 + i, 37 + i)),
+                           SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+    for _ in range(4 + args.streams):  # prefill and warm-up
         engine.step()
     best: dict[str, dict] = {}
     for _ in range(3):

@@ -255,3 +255,29 @@ def test_sizes_off_the_vector_width_use_the_tails(kernel_module, quant):
             torch.testing.assert_close(ex.forward(0, hidden, ids, weights), want, rtol=1e-5, atol=1e-5, msg=isa)
     finally:
         kernel_module.set_isa(before)
+
+
+@pytest.mark.parametrize("h,i", [(78, 41), (72, 43), (256, 190)])
+@pytest.mark.parametrize("dtype,quant", [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float32, "int8")])
+def test_four_stream_walk_covers_every_remainder(kernel_module, h, i, dtype, quant):
+    # The kernels walk a thread's rows as four parts in lockstep (gate_up: two halves of gate and
+    # up rows; down: four quarters of the output columns), then finish the rows left over. These
+    # sizes leave 0 to 3 rows over per thread and odd halves, for token counts that fill the
+    # four-row tiles and leave 1 to 3 tokens over.
+    g = torch.Generator().manual_seed(7)
+    w = {0: ExpertWeights((torch.randn(4, 2 * i, h, generator=g) / h**0.5).to(dtype),
+                          (torch.randn(4, h, i, generator=g) / i**0.5).to(dtype))}
+    ex = CpuExpertExecutor(w, quant=quant, kernel="native", threads=2)
+    ref = dequantized_reference(ex, 0)
+    before = kernel_module.isa()
+    try:
+        for tokens in (1, 2, 3, 6, 9):
+            hidden = torch.randn(tokens, h, generator=g)
+            ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])
+            weights = torch.rand(tokens, 2, generator=g)
+            want = ref.forward(0, hidden, ids, weights)
+            for isa in kernel_module.supported_isas():
+                kernel_module.set_isa(isa)
+                assert_kernel_close(ex.forward(0, hidden, ids, weights), want, quant, isa=isa)
+    finally:
+        kernel_module.set_isa(before)

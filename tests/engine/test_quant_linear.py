@@ -211,3 +211,24 @@ def test_dense_int8_logits_error_is_bounded(demo_model_dir):
         assert len(quantize_dense_(model, "int8")) == 9
         got = model(ids).logits
     assert 0 < rel_err(got, want) < 0.04
+
+
+@pytest.mark.parametrize("n", [1, 5, 66, 127, 1030])
+def test_native_linear_rows_in_four_streams_match_f_linear(kernel_module, n):
+    # Rows are walked as four quarters of each thread's range plus the rows left over: every
+    # remainder, on every instruction set, in float32 and int8 storage.
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, 128, generator=g) / 128**0.5
+    q = Int8Linear(gaussian_linear(n, 128, seed=n))
+    before = kernel_module.isa()
+    try:
+        for isa in kernel_module.supported_isas():
+            kernel_module.set_isa(isa)
+            for tokens in (1, 3, 7):
+                x = torch.randn(tokens, 128, generator=g)
+                out = torch.empty(tokens, n)
+                kernel_module.linear_forward(x, 0, w, torch.empty(0), out)
+                torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4, msg=isa)
+                assert rel_err(q(x), F.linear(x, q.weight.dequantize())) < BOUND, isa
+    finally:
+        kernel_module.set_isa(before)

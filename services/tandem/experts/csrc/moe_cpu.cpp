@@ -45,6 +45,12 @@ struct Act {
   float c;            // int8: correction (see quantize_act)
 };
 
+// One weight row for the four-row kernels: row `row` of expert `e` of *m.
+struct RowRef {
+  const Mat* m;
+  int64_t e, row;
+};
+
 static inline float bf16_to_float(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
   float f;
@@ -104,10 +110,15 @@ static void row_dot2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const 
   row_dot(m, e, row0, a, n, res0);
   row_dot(m, e, row1, a, n, res1);
 }
+
+static void row_dot4(const RowRef* refs, const Act* a, int64_t n, float* const* res) {
+  for (int r = 0; r < 4; ++r) row_dot(*refs[r].m, refs[r].e, refs[r].row, a, n, res[r]);
+}
 }  // namespace scalar
 
 using RowDot = void (*)(const Mat&, int64_t, int64_t, const Act*, int64_t, float*);
 using RowDot2 = void (*)(const Mat&, int64_t, int64_t, int64_t, const Act*, int64_t, float*, float*);
+using RowDot4 = void (*)(const RowRef*, const Act*, int64_t, float* const*);
 using QuantizeAct = void (*)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*, float*, float*);
 
 static std::string detect_isa() {
@@ -148,6 +159,12 @@ static RowDot2 row_dot2_for_isa() {
   if (g_isa == "avx512") return avx512::row_dot2;
   if (g_isa == "avx2") return avx2::row_dot2;
   return scalar::row_dot2;
+}
+
+static RowDot4 row_dot4_for_isa() {
+  if (g_isa == "avx512") return avx512::row_dot4;
+  if (g_isa == "avx2") return avx2::row_dot4;
+  return scalar::row_dot4;
 }
 
 // nullptr for the scalar kernels, which compute int4 rows on the f32 activations.
@@ -278,38 +295,71 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   if (n > 0) x_rows.fill(xp, slot_token, H, g, kind, quantize_x);
   const RowDot row_dot = row_dot_for_isa();
   const RowDot2 row_dot2 = row_dot2_for_isa();
+  const RowDot4 row_dot4 = row_dot4_for_isa();
   const int64_t na = static_cast<int64_t>(active.size());
 
-  // gate_up: rows j and I + j of each active expert give activation j of its tokens
+  // gate_up: rows j and I + j of each active expert give activation j of its tokens. A thread
+  // takes its rows one expert at a time and walks the two halves of them in lockstep: four
+  // weight streams (see row_dot4).
   at::parallel_for(0, na * I, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> gate(most), up(most);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t e = active[r / I], j = r % I, b = begin[e], c = begin[e + 1] - b;
-      row_dot2(gum, e, j, I + j, x_rows.rows.data() + b, c, gate.data(), up.data());
-      for (int64_t s = 0; s < c; ++s) act[(b + s) * I + j] = gate[s] / (1.f + std::exp(-gate[s])) * up[s];
+    std::vector<float> buf(4 * most);
+    float* gate[2] = {buf.data(), buf.data() + 2 * most};
+    float* up[2] = {buf.data() + most, buf.data() + 3 * most};
+    for (int64_t s0 = r0; s0 < r1;) {
+      const int64_t ai = s0 / I, s1 = std::min(r1, (ai + 1) * I);
+      const int64_t e = active[ai], b = begin[e], c = begin[e + 1] - b;
+      const Act* rows = x_rows.rows.data() + b;
+      const int64_t j0 = s0 - ai * I, len = s1 - s0, half = (len + 1) / 2;
+      auto finish = [&](int64_t j, const float* g, const float* u) {
+        for (int64_t s = 0; s < c; ++s) act[(b + s) * I + j] = g[s] / (1.f + std::exp(-g[s])) * u[s];
+      };
+      for (int64_t i = 0; i < len - half; ++i) {
+        const int64_t ja = j0 + i, jb = j0 + half + i;
+        const RowRef refs[4] = {{&gum, e, ja}, {&gum, e, I + ja}, {&gum, e, jb}, {&gum, e, I + jb}};
+        float* const res[4] = {gate[0], up[0], gate[1], up[1]};
+        row_dot4(refs, rows, c, res);
+        finish(ja, gate[0], up[0]);
+        finish(jb, gate[1], up[1]);
+      }
+      if (len % 2) {  // the first half's last row has no partner
+        const int64_t j = j0 + half - 1;
+        row_dot2(gum, e, j, I + j, rows, c, gate[0], up[0]);
+        finish(j, gate[0], up[0]);
+      }
+      s0 = s1;
     }
   });
   if (n > 0) act_rows.fill(act, identity, I, g, kind, quantize_act);
 
-  // down: each thread owns a range of output columns, so accumulation needs no atomics
+  // down: each thread owns a range of output columns, so accumulation needs no atomics; it
+  // walks the four quarters of its range in lockstep, expert by expert.
   float* o = out.data_ptr<float>();
   std::memset(o, 0, sizeof(float) * T * H);
   at::parallel_for(0, H, 16, [&](int64_t h0, int64_t h1) {
-    std::vector<float> d0(most), d1(most);
+    std::vector<float> buf(4 * most);
+    const int64_t q = (h1 - h0) / 4;
     for (int64_t e : active) {
       const int64_t b = begin[e], c = begin[e + 1] - b;
       const Act* rows = act_rows.rows.data() + b;
-      int64_t h = h0;
+      auto add = [&](int64_t h, const float* d) {
+        for (int64_t s = 0; s < c; ++s) o[slot_token[b + s] * H + h] += slot_weight[b + s] * d[s];
+      };
+      for (int64_t i = 0; i < q; ++i) {
+        const RowRef refs[4] = {{&dnm, e, h0 + i}, {&dnm, e, h0 + q + i}, {&dnm, e, h0 + 2 * q + i},
+                                {&dnm, e, h0 + 3 * q + i}};
+        float* const res[4] = {buf.data(), buf.data() + most, buf.data() + 2 * most, buf.data() + 3 * most};
+        row_dot4(refs, rows, c, res);
+        for (int r = 0; r < 4; ++r) add(refs[r].row, res[r]);
+      }
+      int64_t h = h0 + 4 * q;  // the rows past the last whole quarter
       for (; h + 1 < h1; h += 2) {
-        row_dot2(dnm, e, h, h + 1, rows, c, d0.data(), d1.data());
-        for (int64_t s = 0; s < c; ++s) {
-          o[slot_token[b + s] * H + h] += slot_weight[b + s] * d0[s];
-          o[slot_token[b + s] * H + h + 1] += slot_weight[b + s] * d1[s];
-        }
+        row_dot2(dnm, e, h, h + 1, rows, c, buf.data(), buf.data() + most);
+        add(h, buf.data());
+        add(h + 1, buf.data() + most);
       }
       if (h < h1) {
-        row_dot(dnm, e, h, rows, c, d0.data());
-        for (int64_t s = 0; s < c; ++s) o[slot_token[b + s] * H + h] += slot_weight[b + s] * d0[s];
+        row_dot(dnm, e, h, rows, c, buf.data());
+        add(h, buf.data());
       }
     }
   });
@@ -328,8 +378,9 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
               "one output (and scale, for int8) per weight");
   const int64_t T = x.size(0), K = x.size(1), S = static_cast<int64_t>(ws.size());
   std::vector<Mat> mats;
+  mats.reserve(S);  // RowRefs point into it
   std::vector<float*> o(S);
-  std::vector<int64_t> first_pair(S + 1, 0);  // work items: row pairs, segment by segment
+  std::vector<int64_t> first_row(S + 1, 0);  // work items: rows, segment by segment
   for (int64_t i = 0; i < S; ++i) {
     const at::Tensor& w = ws[i];
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == K, "w must be contiguous [N, K]");
@@ -341,9 +392,9 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
     const at::Tensor scale = scales.empty() ? at::Tensor() : scales[i];
     mats.push_back(make_mat(kind, w.view({1, N, K}), scale, scale, K, 32));
     o[i] = out.data_ptr<float>();
-    first_pair[i + 1] = first_pair[i] + (N + 1) / 2;
+    first_row[i + 1] = first_row[i] + N;
   }
-  if (T == 0 || first_pair[S] == 0) return;
+  if (T == 0 || first_row[S] == 0) return;
   const QuantizeAct quantize = kind == kInt8 && K % 32 == 0 ? quantize_for_isa() : nullptr;
   static thread_local ActRows rows_buf;
   ActRows& rows = rows_buf;  // the workers must see this thread's buffers, not their own
@@ -351,25 +402,35 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
   for (int64_t t = 0; t < T; ++t) identity[t] = t;
   rows.fill(x.data_ptr<float>(), identity, K, 32, kind, quantize);
   const RowDot row_dot = row_dot_for_isa();
-  const RowDot2 row_dot2 = row_dot2_for_isa();
-  at::parallel_for(0, first_pair[S], 8, [&](int64_t p0, int64_t p1) {
-    std::vector<float> r0(T), r1(T);
-    int64_t seg = 0;
-    for (int64_t p = p0; p < p1; ++p) {
-      while (p >= first_pair[seg + 1]) ++seg;
-      const Mat& m = mats[seg];
-      const int64_t N = m.rows, n = 2 * (p - first_pair[seg]);
-      float* out = o[seg];
-      if (n + 1 < N) {
-        row_dot2(m, 0, n, n + 1, rows.rows.data(), T, r0.data(), r1.data());
-        for (int64_t t = 0; t < T; ++t) {
-          out[t * N + n] = r0[t];
-          out[t * N + n + 1] = r1[t];
-        }
-      } else {
-        row_dot(m, 0, n, rows.rows.data(), T, r0.data());
-        for (int64_t t = 0; t < T; ++t) out[t * N + n] = r0[t];
+  const RowDot4 row_dot4 = row_dot4_for_isa();
+  // row g over all segments -> its segment
+  auto segment = [&](int64_t g) {
+    return std::upper_bound(first_row.begin(), first_row.end(), g) - first_row.begin() - 1;
+  };
+  auto store = [&](int64_t seg, int64_t row, const float* v) {
+    const int64_t N = mats[seg].rows;
+    for (int64_t t = 0; t < T; ++t) o[seg][t * N + row] = v[t];
+  };
+  // Each thread walks the four quarters of its rows in lockstep (four weight streams; see row_dot4).
+  at::parallel_for(0, first_row[S], 16, [&](int64_t g0, int64_t g1) {
+    std::vector<float> buf(4 * T);
+    float* const res[4] = {buf.data(), buf.data() + T, buf.data() + 2 * T, buf.data() + 3 * T};
+    const int64_t q = (g1 - g0) / 4;
+    for (int64_t i = 0; i < q; ++i) {
+      int64_t seg[4];
+      RowRef refs[4];
+      for (int r = 0; r < 4; ++r) {
+        const int64_t g = g0 + r * q + i;
+        seg[r] = segment(g);
+        refs[r] = RowRef{&mats[seg[r]], 0, g - first_row[seg[r]]};
       }
+      row_dot4(refs, rows.rows.data(), T, res);
+      for (int r = 0; r < 4; ++r) store(seg[r], refs[r].row, res[r]);
+    }
+    for (int64_t g = g0 + 4 * q; g < g1; ++g) {  // the rows past the last whole quarter
+      const int64_t sg = segment(g), row = g - first_row[sg];
+      row_dot(mats[sg], 0, row, rows.rows.data(), T, res[0]);
+      store(sg, row, res[0]);
     }
   });
 }
