@@ -13,7 +13,8 @@ GGUF files come from the sdist's own vendor/llama.cpp/convert_hf_to_gguf.py and
 llama.cpp rows are skipped with the reason. Tandem runs through `tandem bench`.
 
 Decode tok/s here is single-stream greedy decode; the roofline is read bandwidth (torch sum over
-1 GiB) over the bytes of weights one token reads in that system's format.
+1 GiB) over the bytes of weights one token reads in that system's format. The share of a second
+roofline, from what torch's BLAS GEMV reads (F.linear over 1 GiB), is printed beside it.
 """
 
 from __future__ import annotations
@@ -215,17 +216,20 @@ def main() -> None:
         make_checkpoint(args.checkpoint)
     skip = set(filter(None, args.skip.split(",")))
     bandwidth = measure_read_bandwidth(threads=args.threads)
+    gemv_bandwidth = measure_read_bandwidth(threads=args.threads, method="gemv")
     report = {"checkpoint": str(args.checkpoint), "threads": args.threads, "read_bandwidth_gb_s": bandwidth,
+              "gemv_read_bandwidth_gb_s": gemv_bandwidth,
               "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": []}
-    print(f"read bandwidth {bandwidth:.1f} GB/s ({args.threads} threads); load average {os.getloadavg()[0]:.1f}",
-          flush=True)
+    print(f"read bandwidth {bandwidth:.1f} GB/s (sum), {gemv_bandwidth:.1f} GB/s (GEMV), {args.threads} threads; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     llama_skip = "skipped by --skip" if "llama" in skip else llama_cpp_skip_reason()
     if llama_skip:
         print(f"llama.cpp: {llama_skip}")
 
     for precision in args.precisions.split(","):
         roofline = bandwidth * 1e9 / active_bytes(args.checkpoint, precision)
-        row = {"precision": precision, "roofline_tok_s": roofline}
+        row = {"precision": precision, "roofline_tok_s": roofline,
+               "gemv_roofline_tok_s": roofline * gemv_bandwidth / bandwidth}
         if "tandem" not in skip:
             row["tandem"] = tandem_bench(args.checkpoint, QUANTS[precision], args)
         if precision == "f32" and "hf" not in skip:
@@ -252,7 +256,8 @@ def format_row(row: dict) -> str:
     parts = [f"[{row['precision']}] roofline {row['roofline_tok_s']:.1f} tok/s",
              f"tandem {tok_s(t)}", f"llama.cpp {tok_s(ll)}", f"transformers {tok_s(hf)}"]
     if t and "decode_tok_s" in t:
-        parts.append(f"tandem roofline share {t['decode_tok_s'] / row['roofline_tok_s']:.0%}")
+        parts.append(f"tandem roofline share {t['decode_tok_s'] / row['roofline_tok_s']:.0%}"
+                     f" (GEMV roofline {t['decode_tok_s'] / row['gemv_roofline_tok_s']:.0%})")
         for other, name in ((ll, "llama.cpp"), (hf, "transformers")):
             if other and "decode_tok_s" in other:
                 parts.append(f"{t['decode_tok_s'] / other['decode_tok_s']:.2f}x {name}")

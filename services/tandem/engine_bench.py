@@ -113,7 +113,7 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
-def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwidth_gbs: float | None,
+def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwidth: dict | None,
           traffic: ExpertTraffic | None) -> dict:
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -146,11 +146,13 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
     else:
         bytes_per_step = dense_weight_bytes(engine.model)
     result["weight_bytes_per_step"] = bytes_per_step
-    if bandwidth_gbs:
+    if bandwidth:  # {"sum": GB/s, "gemv": GB/s}; the roofline is `sum`'s (see tandem.bench)
         from tandem.bench import roofline_share
 
-        result.update(read_bandwidth_gbs=bandwidth_gbs, roofline_tok_s=bandwidth_gbs * 1e9 / bytes_per_step,
-                      roofline_share=roofline_share(bytes_per_step, result["decode_tok_s"], bandwidth_gbs))
+        result.update(read_bandwidth_gbs=bandwidth["sum"], roofline_tok_s=bandwidth["sum"] * 1e9 / bytes_per_step,
+                      roofline_share=roofline_share(bytes_per_step, result["decode_tok_s"], bandwidth["sum"]),
+                      gemv_read_bandwidth_gbs=bandwidth["gemv"],
+                      roofline_share_gemv=roofline_share(bytes_per_step, result["decode_tok_s"], bandwidth["gemv"]))
     result["concurrency"] = {}
     for c in concurrency:
         run = run_requests(engine, prompts(c), gen_len)
@@ -195,7 +197,7 @@ def cmd_bench(args) -> int:
     if not args.no_bandwidth:
         from tandem.bench import measure_read_bandwidth
 
-        bandwidth = measure_read_bandwidth(threads=args.threads)
+        bandwidth = {m: measure_read_bandwidth(threads=args.threads, method=m) for m in ("sum", "gemv")}
     if args.mode == "split":
         result = bench_split(args, concurrency, bandwidth)
     else:
@@ -205,7 +207,7 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def bench_engine(args, concurrency: list[int], bandwidth: float | None,
+def bench_engine(args, concurrency: list[int], bandwidth: dict | None,
                  bytes_per_expert: dict[int, int] | None = None) -> tuple[dict, dict[int, int]]:
     """Build the engine from the flags and bench it; also returns the expert bytes it counted with."""
     import gc
@@ -241,7 +243,7 @@ def pin_process(cores: list[int]) -> None:
             pass  # a thread that just exited
 
 
-def bench_split(args, concurrency: list[int], bandwidth: float | None) -> dict:
+def bench_split(args, concurrency: list[int], bandwidth: dict | None) -> dict:
     """Embedded first (all cores), then the split pair, in one run: the per-token ratio between
     them is the cost of the split deployment on this machine.
 

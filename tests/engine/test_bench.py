@@ -34,7 +34,8 @@ def test_dense_bytes_count_the_tied_head_once(demo_model_dir):
 def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
     import tandem.bench
 
-    monkeypatch.setattr(tandem.bench, "measure_read_bandwidth", lambda threads=None: 10.0)
+    monkeypatch.setattr(tandem.bench, "measure_read_bandwidth",
+                        lambda threads=None, method="sum": {"sum": 10.0, "gemv": 12.5}[method])
     assert main(["bench", "--model", str(demo_model_dir("mixtral")), "--prompt-len", "8", "--gen-len", "6",
                  "--concurrency", "1,2", "--device", "cpu", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -45,6 +46,8 @@ def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
     expected_roofline = 10.0e9 / report["weight_bytes_per_step"]
     assert abs(report["roofline_tok_s"] - expected_roofline) < 1e-6 * expected_roofline
     assert abs(report["roofline_share"] - report["decode_tok_s"] / report["roofline_tok_s"]) < 1e-9
+    assert report["gemv_read_bandwidth_gbs"] == 12.5
+    assert report["roofline_share_gemv"] == pytest.approx(report["roofline_share"] * 10.0 / 12.5)
 
 
 def test_split_cores_are_disjoint_and_favour_the_experts():

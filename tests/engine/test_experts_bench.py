@@ -18,9 +18,17 @@ def test_read_bandwidth_is_a_positive_rate_and_keeps_threads():
     assert torch.get_num_threads() == before
 
 
-def test_read_bandwidth_refuses_tiny_sizes():
+def test_gemv_read_bandwidth_is_a_positive_rate_and_keeps_threads():
+    before = torch.get_num_threads()
+    assert measure_read_bandwidth(size_bytes=8 << 20, repeats=2, threads=1, method="gemv") > 0.1
+    assert torch.get_num_threads() == before
+
+
+def test_read_bandwidth_refuses_tiny_sizes_and_unknown_methods():
     with pytest.raises(ValueError, match="at least 1 MiB"):
         measure_read_bandwidth(size_bytes=1000)
+    with pytest.raises(ValueError, match="'sum' or 'gemv'"):
+        measure_read_bandwidth(size_bytes=8 << 20, method="copy")
 
 
 def test_roofline_share():
