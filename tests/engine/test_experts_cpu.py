@@ -257,8 +257,13 @@ def test_sizes_off_the_vector_width_use_the_tails(kernel_module, quant):
         kernel_module.set_isa(before)
 
 
-@pytest.mark.parametrize("h,i", [(78, 41), (72, 43), (256, 190)])
-@pytest.mark.parametrize("dtype,quant", [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float32, "int8")])
+FOUR_STREAM_CASES = [(h, i, dtype, quant) for h, i in [(78, 41), (72, 43), (256, 190)]
+                     for dtype, quant in [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float32, "int8")]]
+# int4 needs whole groups: K = 96 is three 32-blocks (a superblock tail on every ISA), 224 seven.
+FOUR_STREAM_CASES += [(96, 224, torch.float32, "int4"), (224, 96, torch.float32, "int4"), (256, 192, torch.float32, "int4")]
+
+
+@pytest.mark.parametrize("h,i,dtype,quant", FOUR_STREAM_CASES)
 def test_four_stream_walk_covers_every_remainder(kernel_module, h, i, dtype, quant):
     # The kernels walk a thread's rows as four parts in lockstep (gate_up: two halves of gate and
     # up rows; down: four quarters of the output columns), then finish the rows left over. These

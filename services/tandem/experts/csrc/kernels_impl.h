@@ -472,6 +472,45 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
     }
 }
 
+// res[r * NT + t] = int4 row w[r] (group scales scale[r], minimums mn[r]) times Q8 activations
+// a[t] (see dot_int4), for 4 rows: the activations' loads and block scales are shared, and
+// each row's per-row work (reductions, the minimum term) is a smaller part of the whole.
+template <int NT>
+static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, const uint16_t* const* mn, int64_t K,
+                       int64_t group, const Act* a, float* res) {
+  const int64_t blocks = K / 32, supers = blocks / kSuper, per_group = group / 32;
+  const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;  // see dot_int4
+  T acc[4][NT];
+  for (int r = 0; r < 4; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = V::zero();
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    __m128 sv[4];
+    for (int r = 0; r < 4; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + sb * kSuper * 16) + kPrefetch, _MM_HINT_T0);
+      sv[r] = superblock_scales(scale[r], sb, shift);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m128 d = _mm_loadu_ps(a[t].d + sb * kSuper);  // reads 4 floats; see Act
+      const int8_t* q = a[t].q + sb * kSuper * 32;
+      for (int r = 0; r < 4; ++r) {
+        const T dot = V::cvt(V::dot_i4_q8(w[r] + sb * kSuper * 16, q));
+        acc[r][t] = V::fma(dot, V::expand_blocks(_mm_mul_ps(sv[r], d)), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int t = 0; t < NT; ++t) {
+      float s = V::sum(acc[r][t]);
+      for (int64_t b = supers * kSuper; b < blocks; ++b) {  // blocks past the last superblock
+        int32_t dot = 0;
+        for (int j = 0; j < 16; ++j)
+          dot += (w[r][b * 16 + j] & 0x0F) * a[t].q[b * 32 + j] + (w[r][b * 16 + j] >> 4) * a[t].q[b * 32 + 16 + j];
+        s += half_to_float(scale[r][b / per_group]) * a[t].d[b] * static_cast<float>(dot);
+      }
+      res[r * NT + t] = s + dot_f16(mn[r], a[t].xs, K / group);
+    }
+}
+
 template <class E>
 static inline const E* row_ptr(const RowRef& ref) {
   return static_cast<const E*>(ref.m->data) + (ref.e * ref.m->rows + ref.row) * ref.m->K;
@@ -509,8 +548,20 @@ static void row_tile4(const RowRef* refs, const Act* a, float* res) {
       }
       break;
     }
-    default:  // int4 is bound by unpacking, not by memory: one row at a time
-      for (int r = 0; r < 4; ++r) row_tile<NT>(*refs[r].m, refs[r].e, refs[r].row, a, res + r * NT);
+    case kInt4: {
+      const int64_t groups = m.K / m.group;
+      const uint8_t* w[4];
+      const uint16_t* sc[4];
+      const uint16_t* mn[4];
+      for (int r = 0; r < 4; ++r) {
+        const int64_t i = refs[r].e * refs[r].m->rows + refs[r].row;
+        w[r] = static_cast<const uint8_t*>(refs[r].m->data) + i * (m.K / 2);
+        sc[r] = refs[r].m->scale16 + i * groups;
+        mn[r] = refs[r].m->min16 + i * groups;
+      }
+      dot_int4_4<NT>(w, sc, mn, m.K, m.group, a, res);
+      break;
+    }
   }
 }
 
