@@ -8,6 +8,7 @@ routing walks every expert before coming back to one, so no step is served from 
     python benchmarks/expert_decode.py                 # Mixtral-like shape, ~1 GiB per format
     python benchmarks/expert_decode.py --quick         # a small shape, for a smoke run
     python benchmarks/expert_decode.py --json out.json
+    python benchmarks/expert_decode.py --kernels native --direct   # the kernel without the executor's Python
 
 Not a test: it prints a table (and optionally JSON) for benchmarks/RESULTS.md.
 """
@@ -67,8 +68,11 @@ def _copy_layer(p):
     return q
 
 
-def decode_bandwidth(ex: CpuExpertExecutor, steps: int, top_k: int = 2) -> tuple[float, float]:
-    """(GB/s of expert weights read, ms per layer call) over `steps` batch-1 calls."""
+def decode_bandwidth(ex: CpuExpertExecutor, steps: int, top_k: int = 2, direct: bool = False) -> tuple[float, float]:
+    """(GB/s of expert weights read, ms per layer call) over `steps` batch-1 calls.
+
+    direct: call the native kernel itself with arguments made beforehand, as the native decode
+    layer does, instead of the executor's forward (its checks and tensor conversions)."""
     layers = sorted(ex.layers)
     p = ex.layers[layers[0]]
     e = p.num_experts
@@ -81,11 +85,22 @@ def decode_bandwidth(ex: CpuExpertExecutor, steps: int, top_k: int = 2) -> tuple
         g = (step // len(layers)) % groups
         return torch.arange(g * top_k, (g + 1) * top_k).reshape(1, top_k)
 
+    call = lambda layer, ids: ex.forward(layer, hidden, ids, weights)  # noqa: E731
+    if direct:
+        args = {layer: ex.layers[layer].native_args() for layer in layers}
+        out, scratch = torch.empty(1, p.hidden_size), torch.empty(top_k * p.intermediate_size)
+        ids_by_group = [torch.arange(g * top_k, (g + 1) * top_k).reshape(1, top_k) for g in range(groups)]
+
+        def call(layer, ids):  # noqa: F811 - replaces the executor call
+            ex.native.moe_forward(hidden, ids, weights, p.kind, p.group_size, *args[layer], out, scratch)
+
+        def ids_for(step: int) -> torch.Tensor:  # noqa: F811 - made beforehand, as the decode layer has them
+            return ids_by_group[(step // len(layers)) % groups]
     for s in range(len(layers) * groups):  # warm-up: one full cycle
-        ex.forward(layers[s % len(layers)], hidden, ids_for(s), weights)
+        call(layers[s % len(layers)], ids_for(s))
     start = time.perf_counter()
     for s in range(steps):
-        ex.forward(layers[s % len(layers)], hidden, ids_for(s), weights)
+        call(layers[s % len(layers)], ids_for(s))
     elapsed = time.perf_counter() - start
     return steps * top_k * p.expert_nbytes / elapsed / 1e9, elapsed / steps * 1e3
 
@@ -112,6 +127,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", default="native,torch")
+    ap.add_argument("--direct", action="store_true", help="native: call the kernel itself, not the executor")
     ap.add_argument("--quick", action="store_true", help="small shapes and few steps: a smoke run")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
@@ -139,7 +155,7 @@ def main() -> None:
             if ex.kernel != kernel:
                 print(f"{label:6} {kernel:7} unavailable")
                 continue
-            gbs, ms = decode_bandwidth(ex, args.steps)
+            gbs, ms = decode_bandwidth(ex, args.steps, direct=args.direct and kernel == "native")
             mb = ex.layers[0].expert_nbytes / 1e6
             rows.append({"format": label, "kernel": kernel, "gb_per_s": gbs, "roofline": gbs / bw,
                          "ms_per_layer": ms, "mb_per_expert": mb, "layers": len(ex.layers)})

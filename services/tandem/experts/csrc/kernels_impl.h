@@ -408,12 +408,12 @@ static void row_dot2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const 
 // ---- Four rows at a time, from four places in memory ----
 //
 // The kernels above stream one or two rows at a time, and a thread walking its rows in order
-// keeps one run of pages open: one hardware-prefetch stream. Measured on a Sapphire Rapids VM
-// (2 threads, int8 rows of 1 KiB), a GEMV reads 15.6 GB/s from one stream per thread, 20.6 from
-// two and 24.5 from four; torch's `sum` reads 18.8 there. So the callers give these kernels
-// four rows from four different parts of their range (each a page or more apart) and walk the
-// parts in lockstep: four streams in flight, each activation load shared by the four rows.
-// Each stream is also prefetched kPrefetch bytes ahead (with four streams: 23-24 -> 25 GB/s).
+// keeps one run of pages open: one hardware-prefetch stream. On a Sapphire Rapids VM (2 threads,
+// rows of 1 KiB) a GEMV reads 17.3 GB/s from one stream per thread, 21.8 from two, 23.9 from
+// four and 26.4 from four prefetched ahead (benchmarks/read_streams.cpp); torch's `sum` reads
+// 18-20 there. So the callers give these kernels four rows from four different parts of their
+// range (each a page or more apart) and walk the parts in lockstep: four streams in flight,
+// each prefetched kPrefetch bytes ahead, each activation load shared by the four rows.
 
 // Token tile of the four-row kernels: 4 rows x kTile4 tokens of accumulators fit the registers
 // (32 zmm; 16 ymm leave room for 4 x 2 and the operands).
