@@ -1,7 +1,7 @@
 """Split mode's expert calls from the attention side: the step and one Forward round trip, timed
 around `GrpcExpertExecutor.forward`, on the comparison checkpoint, int8 experts and dense layers.
 
-    python benchmarks/split_calls.py --cores shared|disjoint [--spin-us N] [--checkpoint DIR]
+    python benchmarks/split_calls.py --cores shared|disjoint [--spin-us N] [--attention-threads N] [--checkpoint DIR]
 
 Starts `tandem serve --role experts` as `tandem bench --mode split` does (shared: both processes
 on every core, this one on one thread; disjoint: one core each), decodes one stream, and prints
@@ -25,6 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cores", choices=["shared", "disjoint"], required=True)
     ap.add_argument("--spin-us", type=int, default=0)
+    ap.add_argument("--attention-threads", type=int, help="default: 1 on shared cores, else the attention cores")
     ap.add_argument("--checkpoint", type=Path, default=CACHE / "compare-mixtral")
     args = ap.parse_args()
 
@@ -50,7 +51,7 @@ def main() -> None:
         engine_bench.pin_process(attention)
         engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype="float32", expert_quant="int8",
                                            dense_quant="int8", expert_executor=client)
-        torch.set_num_threads(1 if args.cores == "shared" else len(attention))
+        torch.set_num_threads(args.attention_threads or (1 if args.cores == "shared" else len(attention)))
         calls = {"seconds": 0.0, "n": 0}
         forward = client.forward
 
@@ -75,7 +76,7 @@ def main() -> None:
                 engine.step()
             steps.append((time.perf_counter() - start) / 40 * 1e3)
             per_call.append(calls["seconds"] / calls["n"] * 1e6)
-        print(f"{args.cores} cores, spin {spin_us} us: step {min(steps):.2f} ms "
+        print(f"{args.cores} cores, {torch.get_num_threads()} attention threads, spin {spin_us} us: step {min(steps):.2f} ms "
               f"(windows {', '.join(f'{s:.1f}' for s in steps)}), expert call {min(per_call):.0f} us, "
               f"load average {os.getloadavg()[0]:.2f}")
     finally:
