@@ -386,7 +386,7 @@ static void row_tile2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const
       }
       break;
     }
-    default:  // int4 is bound by unpacking, not by memory: one row at a time
+    default:  // int4: one row at a time (dot_int4_4 is the one that shares the activations)
       row_tile<NT>(m, e, row0, a, res0);
       row_tile<NT>(m, e, row1, a, res1);
   }
@@ -453,7 +453,8 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
   for (int r = 0; r < 4; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = V::zero();
   for (int64_t i = 0; i < steps; ++i) {
-    for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i * V::kI8) + kPrefetch, _MM_HINT_T0);
+    for (int r = 0; r < 4; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i * V::kI8) + kPrefetch, _MM_HINT_T0);
     for (int t = 0; t < NT; ++t) {
       const T de = V::load(a[t].dexp + i * W);
       const int8_t* q = a[t].q + i * V::kI8;
@@ -473,8 +474,8 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
 }
 
 // res[r * NT + t] = int4 row w[r] (group scales scale[r], minimums mn[r]) times Q8 activations
-// a[t] (see dot_int4), for 4 rows: the activations' loads and block scales are shared, and
-// each row's per-row work (reductions, the minimum term) is a smaller part of the whole.
+// a[t] (see dot_int4), for 4 rows: the activations' loads and block scales are shared by four
+// weight streams.
 template <int NT>
 static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, const uint16_t* const* mn, int64_t K,
                        int64_t group, const Act* a, float* res) {
