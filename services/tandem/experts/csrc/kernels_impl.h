@@ -512,9 +512,10 @@ static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, co
     }
 }
 
+// w[r] = the weights of row refs[r], `stride` elements of E a row (int4: K / 2 bytes).
 template <class E>
-static inline const E* row_ptr(const RowRef& ref) {
-  return static_cast<const E*>(ref.m->data) + (ref.e * ref.m->rows + ref.row) * ref.m->K;
+static inline void row_ptrs(const RowRef* refs, int64_t stride, const E* (&w)[4]) {
+  for (int r = 0; r < 4; ++r) w[r] = static_cast<const E*>(refs[r].m->data) + refs[r].index() * stride;
 }
 
 // res[r * NT + t] for 4 rows of one storage kind and K (any Mats: Q, K and V rows mix).
@@ -525,26 +526,26 @@ static void row_tile4(const RowRef* refs, const Act* a, float* res) {
   for (int t = 0; t < NT; ++t) x[t] = a[t].x;
   switch (m.kind) {
     case kF32: {
-      const float* w[4] = {row_ptr<float>(refs[0]), row_ptr<float>(refs[1]), row_ptr<float>(refs[2]),
-                           row_ptr<float>(refs[3])};
+      const float* w[4];
+      row_ptrs(refs, m.K, w);
       dot_dense4<LoadF32, NT>(w, m.K, x, res);
       break;
     }
     case kBF16: {
-      const uint16_t* w[4] = {row_ptr<uint16_t>(refs[0]), row_ptr<uint16_t>(refs[1]), row_ptr<uint16_t>(refs[2]),
-                              row_ptr<uint16_t>(refs[3])};
+      const uint16_t* w[4];
+      row_ptrs(refs, m.K, w);
       dot_dense4<LoadBF16, NT>(w, m.K, x, res);
       break;
     }
     case kInt8: {
-      const int8_t* w[4] = {row_ptr<int8_t>(refs[0]), row_ptr<int8_t>(refs[1]), row_ptr<int8_t>(refs[2]),
-                            row_ptr<int8_t>(refs[3])};
+      const int8_t* w[4];
+      row_ptrs(refs, m.K, w);
       if (a[0].q)
         dot_int8_4<NT>(w, m.K, a, res);
       else
         dot_dense4<LoadI8, NT>(w, m.K, x, res);
       for (int r = 0; r < 4; ++r) {
-        const float s = refs[r].m->scale[refs[r].e * refs[r].m->rows + refs[r].row];
+        const float s = refs[r].m->scale[refs[r].index()];
         for (int t = 0; t < NT; ++t) res[r * NT + t] *= s;
       }
       break;
@@ -554,11 +555,10 @@ static void row_tile4(const RowRef* refs, const Act* a, float* res) {
       const uint8_t* w[4];
       const uint16_t* sc[4];
       const uint16_t* mn[4];
+      row_ptrs(refs, m.K / 2, w);
       for (int r = 0; r < 4; ++r) {
-        const int64_t i = refs[r].e * refs[r].m->rows + refs[r].row;
-        w[r] = static_cast<const uint8_t*>(refs[r].m->data) + i * (m.K / 2);
-        sc[r] = refs[r].m->scale16 + i * groups;
-        mn[r] = refs[r].m->min16 + i * groups;
+        sc[r] = refs[r].m->scale16 + refs[r].index() * groups;
+        mn[r] = refs[r].m->min16 + refs[r].index() * groups;
       }
       dot_int4_4<NT>(w, sc, mn, m.K, m.group, a, res);
       break;

@@ -49,6 +49,7 @@ struct Act {
 struct RowRef {
   const Mat* m;
   int64_t e, row;
+  int64_t index() const { return e * m->rows + row; }  // among the Mat's E x rows rows
 };
 
 static inline float bf16_to_float(uint16_t v) {
