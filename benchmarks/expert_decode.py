@@ -80,27 +80,28 @@ def decode_bandwidth(ex: CpuExpertExecutor, steps: int, top_k: int = 2, direct: 
     weights = torch.full((1, top_k), 1.0 / top_k)
     groups = e // top_k
 
-    def ids_for(step: int) -> torch.Tensor:
-        # layer-major walk over disjoint expert groups: every expert is read once per cycle
-        g = (step // len(layers)) % groups
-        return torch.arange(g * top_k, (g + 1) * top_k).reshape(1, top_k)
+    def group(step: int) -> int:  # layer-major walk over disjoint expert groups: every expert read once a cycle
+        return (step // len(layers)) % groups
 
-    call = lambda layer, ids: ex.forward(layer, hidden, ids, weights)  # noqa: E731
     if direct:
         args = {layer: ex.layers[layer].native_args() for layer in layers}
         out, scratch = torch.empty(1, p.hidden_size), torch.empty(top_k * p.intermediate_size)
-        ids_by_group = [torch.arange(g * top_k, (g + 1) * top_k).reshape(1, top_k) for g in range(groups)]
+        ids = [torch.arange(g * top_k, (g + 1) * top_k).reshape(1, top_k) for g in range(groups)]
 
-        def call(layer, ids):  # noqa: F811 - replaces the executor call
-            ex.native.moe_forward(hidden, ids, weights, p.kind, p.group_size, *args[layer], out, scratch)
+        def call(step: int) -> None:
+            layer = layers[step % len(layers)]
+            ex.native.moe_forward(hidden, ids[group(step)], weights, p.kind, p.group_size, *args[layer], out, scratch)
+    else:
+        def call(step: int) -> None:
+            g = group(step)
+            ex.forward(layers[step % len(layers)], hidden, torch.arange(g * top_k, (g + 1) * top_k).reshape(1, top_k),
+                       weights)
 
-        def ids_for(step: int) -> torch.Tensor:  # noqa: F811 - made beforehand, as the decode layer has them
-            return ids_by_group[(step // len(layers)) % groups]
     for s in range(len(layers) * groups):  # warm-up: one full cycle
-        call(layers[s % len(layers)], ids_for(s))
+        call(s)
     start = time.perf_counter()
     for s in range(steps):
-        call(layers[s % len(layers)], ids_for(s))
+        call(s)
     elapsed = time.perf_counter() - start
     return steps * top_k * p.expert_nbytes / elapsed / 1e9, elapsed / steps * 1e3
 
