@@ -39,9 +39,8 @@ def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, threads:
             x = torch.ones(size_bytes // 4, dtype=torch.float32)  # touched: no page faults while timed
             read = x.sum
         else:
-            k = 4096 if size_bytes >= 4096 * 4 * 64 else 256
-            x = torch.ones(size_bytes // (4 * k), k, dtype=torch.float32)
-            v = torch.ones(1, k, dtype=torch.float32)
+            x = torch.ones(size_bytes // (4 * 4096), 4096, dtype=torch.float32)  # 1 MiB and up: >= 64 rows
+            v = torch.ones(1, 4096, dtype=torch.float32)
             read = lambda: torch.nn.functional.linear(v, x)  # noqa: E731
         read()
         best = float("inf")
