@@ -10,6 +10,7 @@ import torch
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine_bench import ExpertTraffic
+from tandem.experts import native
 from tandem.rpc.loading import TimedExpertExecutor
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -139,3 +140,30 @@ def test_swapping_layers_after_the_first_step_rebuilds_the_native_layers(demo_mo
     after = e.model.native_path
     assert after is not before and after.steps == params.max_tokens - 1
     assert after.layers[0].native.q.kind == 2 and after.layers[0].native.q.weight.dtype == torch.int8
+
+
+def test_one_call_for_all_layers_matches_the_layer_by_layer_calls(demo_model_dir):
+    e = engine_for(demo_model_dir("mixtral"))
+    e.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    path, cfg = e.model.native_path, e.model.cfg
+    assert path.natives is not None  # the experts run in this process: steps take the one call
+    kernel = native.load_kernel()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cfg.hidden_size, generator=g)
+    cos, sin = torch.randn(2, cfg.head_dim, generator=g), torch.randn(2, cfg.head_dim, generator=g)
+    caches = [(torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim), torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim))
+              for _ in path.layers]
+    slots, tables, lens = torch.tensor([3, 17]), torch.tensor([[0], [1]]), torch.tensor([4, 2])
+    loop_x, loop_caches = x.clone(), [(k.clone(), v.clone()) for k, v in caches]
+    loop_ids = [layer.native.forward(loop_x, cos, sin, k, v, slots, tables, lens, 0)[1]
+                for layer, (k, v) in zip(path.layers, loop_caches)]
+    out, seconds, ids = kernel.decode_layers(path.natives, x, cos, sin, [k for k, _ in caches], [v for _, v in caches],
+                                             slots, tables, lens, 0, path.final_norm, path.final_eps)
+    assert torch.equal(x, loop_x)  # the residual stream, updated in place as the loop updates it
+    assert torch.equal(out, kernel.rms_norm(loop_x, path.final_norm, path.final_eps))
+    assert all(torch.equal(a, b) for a, b in zip(ids, loop_ids)) and len(seconds) == len(path.layers)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(caches, loop_caches))
+    assert all(k[0, 3].any() and k[1, 1].any() for k, _ in caches)  # every layer wrote its own cache
+    with pytest.raises(RuntimeError, match=f"{len(path.layers)} layers but {len(path.layers) - 1} K"):
+        kernel.decode_layers(path.natives, x, cos, sin, [k for k, _ in caches][1:], [v for _, v in caches],
+                             slots, tables, lens, 0, path.final_norm, path.final_eps)

@@ -143,6 +143,24 @@ def test_swap_leaves_tied_heads_and_raw_read_weights(demo_model_dir):
     assert not any(name.endswith("kv_b_proj") for name in swapped) and "lm_head" in swapped
 
 
+@pytest.mark.parametrize("dense_quant", ["none", "int8"])
+def test_compute_logits_takes_the_native_head_for_decode_batches(demo_model_dir, kernel_module, monkeypatch,
+                                                                  dense_quant):
+    model, _ = load_model(demo_model_dir("mixtral"), device="cpu", dense_quant=dense_quant)
+    weight = model.lm_head.weight.dequantize() if dense_quant == "int8" else model.lm_head.weight
+    calls = []
+    real = kernel_module.linear_forward
+    monkeypatch.setattr(kernel_module, "linear_forward", lambda *a: (calls.append(a[1]), real(*a))[1])
+    for rows in (1, 5, 40):  # 40: above the decode threshold, a GEMM through F.linear
+        hidden = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        calls.clear()
+        logits = model.compute_logits(hidden)
+        assert logits.shape == (rows, weight.shape[0]) and logits.dtype == torch.float32
+        # int8: against its own dequantized weight, where only the activations' Q8 rounding differs
+        torch.testing.assert_close(logits, F.linear(hidden, weight), rtol=0, atol=0.02 if dense_quant == "int8" else 1e-5)
+        assert calls == ([] if rows == 40 else [native.KIND_INT8 if dense_quant == "int8" else native.KIND_F32])
+
+
 def test_none_changes_nothing_and_unknown_modes_are_refused(demo_model_dir):
     model, _ = load_model(demo_model_dir("mixtral"), device="cpu")
     assert quantize_dense_(model, "none") == []

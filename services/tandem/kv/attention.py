@@ -50,11 +50,15 @@ class AttentionMetadata:
         l_max = max_blocks * block_size
         if all(n == 1 for n in lens):  # decode: one token per sequence, built from lists in a few ops
             tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+            # positions, slots and lengths: one tensor from one list, three views of it
+            flat = torch.tensor(starts + [t[p // block_size] * block_size + p % block_size
+                                          for p, t in zip(starts, block_tables)] + [p + 1 for p in starts],
+                                dtype=torch.long)
+            query_pos, slot_mapping, seq_lens = flat[:num_seqs].view(-1, 1), flat[num_seqs:2 * num_seqs], flat[2 * num_seqs:]
             query_index = torch.arange(num_seqs).view(-1, 1)
-            query_pos = torch.tensor(starts, dtype=torch.long).view(-1, 1)
             query_valid = torch.ones(num_seqs, 1, dtype=torch.bool)
-            slot_mapping = torch.tensor([t[p // block_size] * block_size + p % block_size
-                                         for p, t in zip(starts, block_tables)], dtype=torch.long)
+            if device.type == "cpu":  # already there: no six no-op .to() calls
+                return cls(slot_mapping, tables, query_index, query_valid, query_pos, seq_lens, l_max, sliding_window)
         else:
             tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
             query_index = torch.zeros(num_seqs, q_max, dtype=torch.long)
@@ -70,7 +74,7 @@ class AttentionMetadata:
                 slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
                 offset += n
             slot_mapping = torch.cat(slots)
-        seq_lens = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.long)
+            seq_lens = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.long)
         return cls(
             slot_mapping=slot_mapping.to(device),
             block_tables=tables.to(device),

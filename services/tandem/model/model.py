@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.experts import native
 from tandem.experts.base import ExpertExecutor
 from tandem.kv.cache import KVCache
 from tandem.kv.tiered import LayerKV, StepAttention
@@ -16,6 +17,7 @@ from tandem.model.deepseek_attention import MlaAttention
 from tandem.model.deepseek_moe import DeepseekMoe
 from tandem.model.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from tandem.model.moe import SparseMoe
+from tandem.model.quant_linear import Int8Linear
 
 # Per architecture: (attention class, sparse MoE block class); others use (Attention, SparseMoe).
 _BLOCKS = {"DeepseekV3ForCausalLM": (MlaAttention, DeepseekMoe)}
@@ -97,6 +99,23 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, H] -> logits [B, V] in float32."""
-        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        """hidden [B, H] -> logits [B, V] in float32.
+
+        A decode step's head is a GEMV over the largest dense weight; on the CPU it goes straight to
+        the native kernel (int8 head: its `Int8Kernel`, without F.linear's dispatch through the
+        weight's tensor subclass, ~90 us a call; float32: `linear_forward`, as the native layers'
+        projections). Anything else is F.linear."""
+        head = self.model.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
+        if isinstance(head, Int8Linear):
+            return head.kernel(hidden)  # [B, V] float32
+        weight = head.weight
+        kernel = native.load_kernel() if weight.device.type == "cpu" else None
+        if (kernel is not None and weight.dtype == hidden.dtype == torch.float32 and hidden.dim() == 2
+                and hidden.shape[0] <= native_decode.DEFAULT_MAX_TOKENS):
+            logits = torch.empty(hidden.shape[0], weight.shape[0])  # [B, V]
+            kernel.linear_forward(hidden.contiguous(), native.KIND_F32, weight, _NO_SCALE, logits)
+            return logits
         return F.linear(hidden, weight).float()
+
+
+_NO_SCALE = torch.empty(0)  # linear_forward's scale argument, unused for float32 weights

@@ -13,7 +13,8 @@ It serves a step when all of these hold, and the model's torch path serves it ot
 Where the experts run decides how much one call does:
 - in this process on the native kernel (`CpuExpertExecutor`), possibly behind wrappers that only
   watch the calls (`inner` + `observe`, e.g. the serving metrics' timer): the whole layer, and the
-  wrappers see each call through `observe(layer, topk_ids, seconds)`;
+  wrappers see each call through `observe(layer, topk_ids, seconds)`; when every layer's experts
+  are here, one native call (`decode_layers`) runs all the layers and the final norm;
 - anywhere else (the split deployment's experts process, the torch kernels, a patched `forward`):
   the native call stops at the router and the layer's executor is called with its output.
 """
@@ -138,7 +139,10 @@ class NativeDecode:
         self.layers = [_Layer(i, layer) for i, layer in enumerate(model.model.layers)]
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
         self.final_eps = float(model.model.norm.eps)
-        self.rms_norm = native.load_kernel().rms_norm
+        kernel = native.load_kernel()
+        self.rms_norm, self.decode_layers = kernel.rms_norm, kernel.decode_layers
+        # Every layer's experts inside its native call: the whole step is one call (decode_layers).
+        self.natives = [layer.native for layer in self.layers] if self.local_experts else None
         # Int8Linear and the executor hand batches above their threshold to GEMMs; so does this path.
         limits = [layer.max_tokens for layer in self.layers]
         limits += [m.kernel.prefill_tokens for m in model.modules() if isinstance(m, Int8Linear)]
@@ -162,6 +166,15 @@ class NativeDecode:
         cos, sin = (c.contiguous() for c in cos_sin)
         window = meta.sliding_window or 0
         self.steps += 1
+        if self.natives is not None:
+            out, seconds, ids = self.decode_layers(
+                self.natives, x, cos, sin, [layer_kv.device["k"] for layer_kv in kv],
+                [layer_kv.device["v"] for layer_kv in kv], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                window, self.final_norm, self.final_eps)
+            for layer, layer_seconds, layer_ids in zip(self.layers, seconds, ids):
+                for observe in layer.observers:
+                    observe(layer.moe_layer, layer_ids, layer_seconds)
+            return out
         for layer, layer_kv in zip(self.layers, kv):
             layer(x, cos, sin, layer_kv, meta, window)
         return self.rms_norm(x, self.final_norm, self.final_eps)

@@ -334,6 +334,33 @@ at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& weight, double ep
   return out;
 }
 
+// One decode step through all the layers, in one call from Python: each layer's `forward` in
+// turn (its experts in this process), then the final RMSNorm. A step's Python between the layers
+// (argument tuples, one pybind call and its GIL round trip per layer) runs on caches the weights
+// have just flushed. caches: layer i's K and V. Returns the final hidden states [T, hidden] and,
+// per layer, the experts' seconds and ids (for the callers' metrics).
+std::tuple<at::Tensor, std::vector<double>, std::vector<at::Tensor>> decode_layers(
+    const std::vector<const DecodeLayer*>& layers, at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+    std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches, const at::Tensor& slots,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t sliding_window, const at::Tensor& final_norm,
+    double final_eps) {
+  TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+              "decode_layers: ", layers.size(), " layers but ", k_caches.size(), " K and ", v_caches.size(),
+              " V caches");
+  std::vector<double> seconds;
+  std::vector<at::Tensor> ids;
+  seconds.reserve(layers.size());
+  ids.reserve(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(layers[i] != nullptr, "decode_layers: layer ", i, " is None");
+    auto [s, layer_ids] =
+        layers[i]->forward(x, cos, sin, k_caches[i], v_caches[i], slots, block_tables, seq_lens, sliding_window);
+    seconds.push_back(s);
+    ids.push_back(std::move(layer_ids));
+  }
+  return {rms_norm_f32(x, final_norm, final_eps), std::move(seconds), std::move(ids)};
+}
+
 void bind_decode_layer(pybind11::module& m) {
   namespace py = pybind11;
   m.def(
@@ -355,6 +382,12 @@ void bind_decode_layer(pybind11::module& m) {
       "seconds per DecodeLayer phase summed over the calls since set_decode_profile(True), and the call count");
   m.def("rms_norm", &rms_norm_f32, "RMSNorm of contiguous f32 rows, as transformers computes it in float32",
         py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("decode_layers", &decode_layers,
+        "one decode step through every layer (DecodeLayer.forward in turn) and the final RMSNorm: "
+        "(hidden [T, hidden], expert seconds per layer, expert ids per layer)",
+        py::arg("layers"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"),
+        py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("sliding_window"),
+        py::arg("final_norm"), py::arg("final_eps"), py::call_guard<py::gil_scoped_release>());
   py::class_<Dense>(m, "Dense", "a dense projection for DecodeLayer: kind 0 f32, kind 2 int8 rows")
       .def(py::init<>())
       .def_readwrite("kind", &Dense::kind)

@@ -51,6 +51,20 @@ struct V {
     const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s));
   }
+  // Q8 of one 32-block: max |x|; then round(x * inv) as int8, weights 0..15 to lo and 16..31 to
+  // hi, returning their sum (cvtps rounds to nearest even, as std::nearbyint does by default).
+  static inline float absmax32(const float* x) {
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x)), b = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
+    return _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+  }
+  static inline int32_t quant32(const float* x, float inv, int8_t* lo, int8_t* hi) {
+    const __m512 s = _mm512_set1_ps(inv);
+    const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), s));
+    const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16), s));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(a));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(b));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+  }
   // int8 x int8, 64 weights: w + 128 (a sign-bit flip) is unsigned, so one vpdpbusd does it;
   // the 128 * sum(x) this adds is taken off once per row (Act::c).
   static constexpr int kI8 = 64;
@@ -109,6 +123,28 @@ struct V {
   static inline T cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
   static inline T expand_blocks(__m128 s) {
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+  }
+  static inline float absmax32(const float* x) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    for (int i = 8; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 r = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
+  }
+  static inline int32_t quant32(const float* x, float inv, int8_t* lo, int8_t* hi) {
+    const __m256 s = _mm256_set1_ps(inv);
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), s));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    // |v| <= 127: the saturating packs are exact; they interleave 128-bit lanes, the permute undoes it
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    const __m256i q = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(q));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(q, 1));
+    __m128i r = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1)));
   }
   // int8 x int8, 32 weights: |w| times x with w's sign (maddubs needs one unsigned side).
   static constexpr int kI8 = 32;
@@ -220,24 +256,18 @@ static void quantize_act(const float* x, int64_t K, int64_t group, int64_t kind,
   const int64_t per_group = group / 32, vec_blocks = (K / V::kI8) * (V::kI8 / 32);
   if (kind == kInt8) *c = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[b * 32 + j]));
+    const float amax = V::absmax32(x + b * 32);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     d[b] = amax / 127.f;
-    int32_t sum = 0;
-    for (int j = 0; j < 32; ++j) {
-      const int v = static_cast<int>(std::nearbyint(x[b * 32 + j] * inv));
-      sum += v;
-      int64_t pos = b * 32 + j;
-      if (b < full) pos = (b / kSuper) * kSuper * 32 + (j / 16) * kSuper * 16 + (b % kSuper) * 16 + j % 16;
-      q[pos] = static_cast<int8_t>(v);
-    }
+    // superblock order for int4 (see V::dot_i4_q8): a block's halves go kSuper * 16 apart
+    int8_t* lo = b < full ? q + (b / kSuper) * kSuper * 32 + (b % kSuper) * 16 : q + b * 32;
+    const int32_t sum = V::quant32(x + b * 32, inv, lo, lo + (b < full ? kSuper * 16 : 16));
     if (kind == kInt4) {
       if (b % per_group == 0) xs[b / per_group] = 0.f;
       xs[b / per_group] += d[b] * static_cast<float>(sum);
     } else if (b < vec_blocks) {
       if (V::kI8 == 64) *c += 128.f * d[b] * static_cast<float>(sum);
-      for (int lane = 0; lane < 8; ++lane) dexp[b * 8 + lane] = d[b];  // 8 int32 lanes per block
+      _mm256_storeu_ps(dexp + b * 8, _mm256_set1_ps(d[b]));  // 8 int32 lanes per block
     }
   }
 }
