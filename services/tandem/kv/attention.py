@@ -54,11 +54,9 @@ class AttentionMetadata:
             flat = torch.tensor(starts + [t[p // block_size] * block_size + p % block_size
                                           for p, t in zip(starts, block_tables)] + [p + 1 for p in starts],
                                 dtype=torch.long)
-            query_pos, slot_mapping, seq_lens = flat[:num_seqs].view(-1, 1), flat[num_seqs:2 * num_seqs], flat[2 * num_seqs:]
+            query_pos, slot_mapping, seq_lens = flat[:num_seqs].view(-1, 1), flat[num_seqs:-num_seqs], flat[-num_seqs:]
             query_index = torch.arange(num_seqs).view(-1, 1)
             query_valid = torch.ones(num_seqs, 1, dtype=torch.bool)
-            if device.type == "cpu":  # already there: no six no-op .to() calls
-                return cls(slot_mapping, tables, query_index, query_valid, query_pos, seq_lens, l_max, sliding_window)
         else:
             tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
             query_index = torch.zeros(num_seqs, q_max, dtype=torch.long)
@@ -75,16 +73,10 @@ class AttentionMetadata:
                 offset += n
             slot_mapping = torch.cat(slots)
             seq_lens = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.long)
-        return cls(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=tables.to(device),
-            query_index=query_index.to(device),
-            query_valid=query_valid.to(device),
-            query_pos=query_pos.to(device),
-            seq_lens=seq_lens.to(device),
-            key_len=l_max,
-            sliding_window=sliding_window,
-        )
+        tensors = (slot_mapping, tables, query_index, query_valid, query_pos, seq_lens)
+        if device.type != "cpu":  # built on the CPU: moved only when the step runs elsewhere
+            tensors = tuple(t.to(device) for t in tensors)
+        return cls(*tensors, key_len=l_max, sliding_window=sliding_window)
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:

@@ -272,6 +272,17 @@ static void quantize_act(const float* x, int64_t K, int64_t group, int64_t kind,
   }
 }
 
+// r plus, for the 32-blocks b in [b0, K / 32) (those past the last vector step), d_b times
+// int8 row w's block b dotted with a's Q8 block b.
+static inline float int8_tail(float r, const int8_t* w, int64_t b0, int64_t K, const Act& a) {
+  for (int64_t b = b0; b < K / 32; ++b) {
+    int32_t dot = 0;
+    for (int j = 0; j < 32; ++j) dot += w[b * 32 + j] * a.q[b * 32 + j];
+    r += a.d[b] * static_cast<float>(dot);
+  }
+  return r;
+}
+
 // int8 row x Q8 activations: sum_b d_b sum_j w_bj xq_bj (times the row scale, by the caller).
 template <int NT>
 static void dot_int8(const int8_t* w, int64_t K, const Act* a, float* res) {
@@ -286,13 +297,7 @@ static void dot_int8(const int8_t* w, int64_t K, const Act* a, float* res) {
     }
   }
   for (int t = 0; t < NT; ++t) {
-    float r = V::sum(acc[t]) - a[t].c;
-    for (int64_t b = steps * V::kI8 / 32; b < K / 32; ++b) {  // a 32-block past the last vector step
-      int32_t dot = 0;
-      for (int j = 0; j < 32; ++j) dot += w[b * 32 + j] * a[t].q[b * 32 + j];
-      r += a[t].d[b] * static_cast<float>(dot);
-    }
-    res[t] = r;
+    res[t] = int8_tail(V::sum(acc[t]) - a[t].c, w, steps * V::kI8 / 32, K, a[t]);
   }
 }
 
@@ -311,6 +316,19 @@ static inline __m128 superblock_scales(const uint16_t* scale, int64_t sb, int sh
     bits = a | (a << 16) | (a << 32) | (a << 48);
   }
   return _mm_cvtph_ps(_mm_cvtsi64_si128(bits));
+}
+
+// r plus, for the blocks b in [b0, blocks) (those past the last superblock, in natural order),
+// s_g(b) d_b times int4 row w's block b dotted with a's Q8 block b.
+static inline float int4_tail(float r, const uint8_t* w, const uint16_t* scale, int64_t b0, int64_t blocks,
+                              int64_t per_group, const Act& a) {
+  for (int64_t b = b0; b < blocks; ++b) {
+    int32_t dot = 0;
+    for (int j = 0; j < 16; ++j)
+      dot += (w[b * 16 + j] & 0x0F) * a.q[b * 32 + j] + (w[b * 16 + j] >> 4) * a.q[b * 32 + 16 + j];
+    r += half_to_float(scale[b / per_group]) * a.d[b] * static_cast<float>(dot);
+  }
+  return r;
 }
 
 // int4 row x Q8 activations: sum_b s_g(b) d_b sum_j q_bj xq_bj + sum_g min_g xs_g.
@@ -333,14 +351,8 @@ static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn
     }
   }
   for (int t = 0; t < NT; ++t) {
-    float r = V::sum(acc[t]);
-    for (int64_t b = supers * kSuper; b < blocks; ++b) {  // blocks past the last superblock
-      int32_t dot = 0;
-      for (int j = 0; j < 16; ++j)
-        dot += (w[b * 16 + j] & 0x0F) * a[t].q[b * 32 + j] + (w[b * 16 + j] >> 4) * a[t].q[b * 32 + 16 + j];
-      r += half_to_float(scale[b / per_group]) * a[t].d[b] * static_cast<float>(dot);
-    }
-    res[t] = r + dot_f16(mn, a[t].xs, K / group);
+    res[t] = int4_tail(V::sum(acc[t]), w, scale, supers * kSuper, blocks, per_group, a[t]) +
+             dot_f16(mn, a[t].xs, K / group);
   }
 }
 
@@ -493,13 +505,7 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
   }
   for (int r = 0; r < 4; ++r)
     for (int t = 0; t < NT; ++t) {
-      float s = V::sum(acc[r][t]) - a[t].c;
-      for (int64_t b = steps * V::kI8 / 32; b < K / 32; ++b) {  // a 32-block past the last vector step
-        int32_t dot = 0;
-        for (int j = 0; j < 32; ++j) dot += w[r][b * 32 + j] * a[t].q[b * 32 + j];
-        s += a[t].d[b] * static_cast<float>(dot);
-      }
-      res[r * NT + t] = s;
+      res[r * NT + t] = int8_tail(V::sum(acc[r][t]) - a[t].c, w[r], steps * V::kI8 / 32, K, a[t]);
     }
 }
 
@@ -531,14 +537,8 @@ static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, co
   }
   for (int r = 0; r < 4; ++r)
     for (int t = 0; t < NT; ++t) {
-      float s = V::sum(acc[r][t]);
-      for (int64_t b = supers * kSuper; b < blocks; ++b) {  // blocks past the last superblock
-        int32_t dot = 0;
-        for (int j = 0; j < 16; ++j)
-          dot += (w[r][b * 16 + j] & 0x0F) * a[t].q[b * 32 + j] + (w[r][b * 16 + j] >> 4) * a[t].q[b * 32 + 16 + j];
-        s += half_to_float(scale[r][b / per_group]) * a[t].d[b] * static_cast<float>(dot);
-      }
-      res[r * NT + t] = s + dot_f16(mn[r], a[t].xs, K / group);
+      res[r * NT + t] = int4_tail(V::sum(acc[r][t]), w[r], scale[r], supers * kSuper, blocks, per_group, a[t]) +
+                        dot_f16(mn[r], a[t].xs, K / group);
     }
 }
 
