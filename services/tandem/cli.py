@@ -83,6 +83,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_dense_quant_arg(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every decode step eagerly instead of replaying CUDA graphs")
 
 
 def add_dense_quant_arg(p: argparse.ArgumentParser) -> None:
@@ -127,7 +129,8 @@ def build_engine(args):
     from tandem.model.config import ModelError
 
     try:
-        config = EngineConfig(block_size=args.block_size, max_model_len=args.max_model_len)
+        config = EngineConfig(block_size=args.block_size, max_model_len=args.max_model_len,
+                              enforce_eager=args.enforce_eager)
         return LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config,
                                          expert_executor=getattr(args, "expert_executor", None),
                                          expert_threads=args.threads, expert_quant=args.expert_quant,

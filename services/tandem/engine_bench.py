@@ -131,9 +131,11 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
     decode_steps = len(single["itl"])
     decode_s = sum(single["itl"])
     native = engine.model.native_path  # tandem.model.native_decode: None when the torch layers decode
+    graphs = engine.runner.graphs  # tandem.engine.cuda_graph: None off CUDA and with --enforce-eager
+    path = "cuda-graphs" if graphs is not None and graphs.steps else "torch"
     result = {
         "prompt_len": prompt_len, "gen_len": gen_len,
-        "decode_path": "native" if native is not None and native.steps else "torch",
+        "decode_path": "native" if native is not None and native.steps else path,
         "prefill_tok_s": prompt_len / prefill_s,
         "decode_tok_s": decode_steps / decode_s if decode_s else float("nan"),
         "ttft_s": single["ttft"][0],

@@ -12,12 +12,16 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine import cuda_graph
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampling_params import InvalidRequest, RequestOutput, SamplingParams
 from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from tandem.engine.sequence import Sequence
 from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
+from tandem.experts.cpu_executor import CpuExpertExecutor
+from tandem.experts.device_prefill import DEFAULT_MIN_TOKENS as DEVICE_PREFILL_TOKENS
+from tandem.experts.device_prefill import DevicePrefill
 from tandem.kv.block_manager import KVBlockManager
 from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
 from tandem.model.loader import load_model
@@ -43,6 +47,12 @@ class EngineConfig:
     # A sequence the device tier cannot hold moves to the CPU tier and decodes there (attention on
     # the CPU socket) rather than pausing until the device has room; see tandem.engine.scheduler.
     cpu_decode: bool = True
+    # On CUDA, decode steps replay CUDA graphs (tandem.engine.cuda_graph) for batches of up to
+    # min(max_num_seqs, MAX_GRAPH_BATCH) sequences; True: every step runs eagerly, as vLLM's flag.
+    enforce_eager: bool = False
+    # On CUDA, prefill chunks of at least this many tokens run their routed experts on the GPU,
+    # the weights streamed from host memory (tandem.experts.device_prefill); 0: always the CPU.
+    device_prefill_tokens: int = DEVICE_PREFILL_TOKENS
 
     DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -52,6 +62,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.device_prefill_tokens < 0:
+            raise ValueError(f"device_prefill_tokens must be >= 0, got {self.device_prefill_tokens}")
         if self.cpu_kv_gib < 0 or self.device_kv_gib <= 0:
             raise ValueError("KV cache sizes must be positive")
 
@@ -97,6 +109,17 @@ class LLMEngine:
             self.block_manager, set(cfg.eos_token_ids),
         )
         self.runner = ModelRunner(model, self.cache, device)
+        if device.type == "cuda" and config.device_prefill_tokens:
+            stream_prefill_experts(model, device, config.device_prefill_tokens)
+        if device.type == "cuda" and not config.enforce_eager:
+            reason = cuda_graph.unsupported_reason(model, self.cache)
+            if reason is None:
+                graphs = cuda_graph.DecodeGraphs(
+                    model, self.cache, self.max_model_len, min(config.max_num_seqs, cuda_graph.MAX_GRAPH_BATCH))
+                graphs.capture_all()
+                self.runner.graphs = graphs
+            else:
+                log.info("decode steps run eagerly, without CUDA graphs: %s", reason)
         self.requests: dict[str, _Request] = {}
         self._pending = None  # a scheduled step whose forward pass has not completed
 
@@ -262,6 +285,15 @@ class LLMEngine:
                     done[out.request_id] = Completion(out.request_id, tokens, "".join(texts), out.finish_reason,
                                                       out.num_prompt_tokens, out.num_cached_tokens)
         return [done[rid] for rid in ids]
+
+
+def stream_prefill_experts(model, device: torch.device, min_tokens: int) -> None:
+    """Give every MoE block's in-process CPU executor a GPU path for large prefill chunks."""
+    wrapped: dict[int, DevicePrefill] = {}
+    for module in model.modules():
+        executor = getattr(module, "executor", None)
+        if isinstance(executor, CpuExpertExecutor):
+            module.executor = wrapped.setdefault(id(executor), DevicePrefill(executor, device, min_tokens))
 
 
 @dataclass

@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from tandem.engine.cuda_graph import DecodeGraphs
 from tandem.engine.sampler import Sampler
 from tandem.kv.attention import AttentionMetadata
 from tandem.kv.cache import CPU, DEVICE, KVCache
@@ -21,6 +22,8 @@ class ModelRunner:
         # Attention of CPU-tier sequences: here by default; the split deployment's experts process
         # (which maps the same shared-memory tier) when the engine is given its client.
         self.cpu_attention: CpuAttentionBackend = LocalCpuAttention(cache)
+        # Decode steps of device-tier sequences replayed from CUDA graphs; None: always eager.
+        self.graphs: DecodeGraphs | None = None
         # Test and debugging hook: called with (request_id, logits [V]) for every sampled position.
         self.logits_hook: Callable[[str, torch.Tensor], None] | None = None
 
@@ -41,10 +44,13 @@ class ModelRunner:
         for s in scheduled:
             tokens.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(input_ids, pos, self.cache, self._step_attention(on_device, on_cpu),
-                            max_position=max(positions))  # [T, H]
+        if self._graphed(on_device, on_cpu):
+            hidden = self.graphs.run(tokens, positions, [s.block_table for s in on_device])  # [T, H]
+        else:
+            input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+            hidden = self.model(input_ids, pos, self.cache, self._step_attention(on_device, on_cpu),
+                                max_position=max(positions))  # [T, H]
         # Sample from the last position of each chunk that reaches the end of its sequence.
         last, ends = [], 0
         for s in scheduled:
@@ -62,6 +68,11 @@ class ModelRunner:
             logits, [s.seq.params for s in sampling], [generators.get(s.seq.request_id) for s in sampling]
         )
         return {s.seq.request_id: int(t) for s, t in zip(sampling, ids.tolist())}
+
+    def _graphed(self, on_device, on_cpu) -> bool:
+        """A decode step (one token per sequence) of device-tier sequences only, of a graphed size."""
+        return (self.graphs is not None and not on_cpu and self.graphs.serves(len(on_device))
+                and all(len(s.token_ids) == 1 for s in on_device))
 
     def _step_attention(self, on_device, on_cpu) -> StepAttention:
         def args(work):

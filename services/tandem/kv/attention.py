@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tandem.kv import triton_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -80,7 +82,11 @@ class AttentionMetadata:
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """cache [blocks, block_size, *entry]; values [T, *entry] go to their slots."""
+    """cache [blocks, block_size, *entry]; values [T, *entry] go to their slots. On CUDA a Triton
+    kernel writes them, skipping slot -1 (the padding rows of a graphed decode batch)."""
+    if cache.device.type == "cuda" and triton_attention.available(cache.device):
+        triton_attention.write_kv(cache, slot_mapping, values)
+        return
     cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
 
 
@@ -99,14 +105,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [T, H, D] (exactly the tokens `meta` describes, in order); caches [blocks, block_size, Hkv, D]
     and [blocks, block_size, Hkv, Dv] -> [T, H, Dv].
 
-    Float32 decode steps on the CPU run the native kernel, which reads K and V in place; everything
-    else (prefill chunks, CUDA, no compiler) runs `sdpa_paged_attention`. bf16 stays on SDPA too:
+    Float32 decode steps on the CPU run the native kernel, which reads K and V in place; decode
+    steps on CUDA run the Triton kernel (`tandem.kv.triton_attention`), which does too and which a
+    CUDA graph can capture; everything else (prefill chunks, no compiler, no Triton) runs
+    `sdpa_paged_attention`. bf16 stays on SDPA too:
     the kernel accumulates in float32 and rounds once, torch's attention rounds the probabilities
     to bf16, and a one-ulp difference can flip an expert choice downstream, so bf16 serving would
     stop tracking transformers (the kernel itself takes bf16; see tests/engine/test_native_attention.py).
     `native_any_dtype` lifts that for attention with no transformers counterpart (the CPU tier's).
     """
     decode_only = meta.query_index.shape[1] == 1  # one token per sequence, in sequence order
+    block_size = k_cache.shape[1]
+    if decode_only and triton_attention.available(q.device) and not block_size & (block_size - 1):
+        return triton_attention.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                       scale, meta.sliding_window or 0)
     native_dtype = native_any_dtype or q.dtype == torch.float32
     # Many query heads on one KV head (MLA's latent: 128 on 1) make decode a GEMM, which MKL does
     # better than the kernel's per-head dot products (15.7 against 36.9 ms at 4096 tokens).

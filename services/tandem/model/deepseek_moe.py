@@ -67,8 +67,13 @@ class DeepseekMoe(nn.Module):
             self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)  # [T, k]
-        out = run_routed_experts(self.executor, self.layer, x, ids, weights)  # [T, H]
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        weights, ids = self.route(x)  # [T, k]
+        return self.combine(x, run_routed_experts(self.executor, self.layer, x, ids, weights))  # [T, H]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> routing weights [T, k] float32, expert ids [T, k] (see `SparseMoe.route`)."""
+        return self.gate(x)
+
+    def combine(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The block's output from its input x [T, H] and the routed experts' sum [T, H]."""
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)

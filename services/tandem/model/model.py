@@ -41,8 +41,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos_sin, kv: LayerKV, step: StepAttention):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, step)  # [T, H]
+        x = self.attention_block(x, cos_sin, kv, step)  # [T, H]
         return x + self.mlp(self.post_attention_layernorm(x))  # [T, H]
+
+    def attention_block(self, x, cos_sin, kv: LayerKV, step: StepAttention):
+        """The layer's first residual block: x [T, H] -> x plus attention of its normed self."""
+        return x + self.self_attn(self.input_layernorm(x), cos_sin, kv, step)
 
 
 class CausalLM(nn.Module):

@@ -23,11 +23,24 @@ def route_softmax(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[to
 def run_routed_experts(executor: ExpertExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
                        weights: torch.Tensor) -> torch.Tensor:
     """Call the expert executor; x [T, H], ids/weights [T, k] -> [T, H] on x's device."""
-    # The experts live in the CPU socket's memory: hidden states cross to it and back.
     if x.device.type == "cpu":
         return executor.forward(layer, x, ids, weights)
+    # A large prefill chunk may run on the GPU with the weights streamed to it
+    # (tandem.experts.device_prefill); wrappers that time or count calls are looked through.
+    on_device = _device_path(executor)
+    if on_device is not None and (out := on_device(layer, x, ids, weights)) is not None:
+        return out
+    # The experts live in the CPU socket's memory: hidden states cross to it and back.
     out = executor.forward(layer, x.cpu(), ids.cpu(), weights.cpu())
     return out.to(x.device, non_blocking=True)
+
+
+def _device_path(executor):
+    while executor is not None:
+        if (method := getattr(executor, "forward_on_device", None)) is not None:
+            return method
+        executor = getattr(executor, "inner", None)
+    return None
 
 
 class SparseMoe(nn.Module):
@@ -44,10 +57,21 @@ class SparseMoe(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_softmax(self.gate(x), self.top_k, self.normalize)  # [T, k]
+        weights, ids = self.route(x)  # [T, k]
+        return self.combine(x, run_routed_experts(self.executor, self.layer, x, ids, weights))  # [T, H]
+
+    # The two halves around the routed experts, for callers that run the experts themselves
+    # (tandem.engine.cuda_graph replays the halves from CUDA graphs, the experts in between).
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> routing weights [T, k] float32, expert ids [T, k]."""
+        weights, ids = route_softmax(self.gate(x), self.top_k, self.normalize)
         if self.round_weights:
             weights = weights.to(x.dtype).float()
-        out = run_routed_experts(self.executor, self.layer, x, ids, weights)  # [T, H]
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return weights, ids
+
+    def combine(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The block's output from its input x [T, H] and the routed experts' sum [T, H]."""
+        if self.shared_expert is None:
+            return routed
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

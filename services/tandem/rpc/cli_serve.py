@@ -51,6 +51,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
     add_dense_quant_arg(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="largest running batch (default 64)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every decode step eagerly instead of replaying CUDA graphs")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens computed per engine step, prefill chunks included (default 2048)")
     p.add_argument("--max-model-len", type=int, help="longest prompt plus generation (default: the model's)")
@@ -84,7 +86,7 @@ def options_from_args(args):
         expert_quant=args.expert_quant, dense_quant=args.dense_quant, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout,
-        spin_us=args.spin_us)
+        spin_us=args.spin_us, enforce_eager=args.enforce_eager)
 
 
 def run_serve(args) -> int:

@@ -65,6 +65,7 @@ class ServeOptions:
     shutdown_grace_s: float = 30.0
     expert_timeout_s: float = 30.0
     spin_us: int = 0  # data plane: poll the peer this long before sleeping (cores of its own)
+    enforce_eager: bool = False  # CUDA: no decode graphs
 
     def __post_init__(self):
         if self.role not in contract.ROLES:

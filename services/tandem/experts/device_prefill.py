@@ -1,0 +1,138 @@
+"""Prefill chunks' routed experts on the GPU, their weights streamed from host memory per call.
+
+Decode reads each routed expert once per token: the CPU socket, next to the weights, is the
+place for it. A prefill chunk is the opposite case: with hundreds of tokens every expert of a
+layer is routed and each one's weights serve many tokens, so the arithmetic outgrows the cores
+(Mixtral-8x7B-shaped layers, 512 tokens: ~0.85 s a layer on 16 cores) while copying the layer's
+weights to the GPU takes tens of milliseconds. llama.cpp does the same for large batches of a
+model whose weights stay in host memory.
+
+`DevicePrefill` wraps the in-process CPU executor. Chunks of at least `min_tokens` tokens run
+here: the routed experts' weights are copied on a side stream, a few experts ahead of the one
+being computed (at most `ahead` in flight, so GPU memory holds a few experts, not the layer),
+and each expert's tokens are one GEMM pair. The copies come from pageable memory unless `pin`
+asks for the weights to be page-locked (cudaHostRegister), which lets them run at full speed
+without staging but locks most of the host's RAM; it is off by default and was not measured yet.
+Quantized experts (int8, int4) stay on the CPU: only float weights are streamed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_TOKENS = 128
+
+
+class DevicePrefill:
+    """An expert executor: `forward` is the CPU executor's; `forward_on_device` takes large chunks."""
+
+    def __init__(self, inner, device: torch.device, min_tokens: int = DEFAULT_MIN_TOKENS, ahead: int = 4,
+                 pin: bool = False):
+        if min_tokens < 1 or ahead < 1:
+            raise ValueError(f"min_tokens and ahead must be at least 1, got {min_tokens} and {ahead}")
+        self.inner, self.device = inner, torch.device(device)
+        self.min_tokens, self.ahead = min_tokens, ahead
+        # layer -> (gate_up [E, 2I, H], down [E, H, I]) in host memory, float weights only
+        self.weights = {i: (p.gate_up, p.down) for i, p in inner.layers.items()
+                        if isinstance(p.gate_up, torch.Tensor) and isinstance(p.down, torch.Tensor)}
+        self.pinned = pin and self.device.type == "cuda" and _page_lock(self.weights.values())
+        self._copies = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.calls = 0  # chunks computed here
+
+    @property
+    def layers(self):
+        return self.inner.layers
+
+    def forward(self, layer, hidden, topk_ids, topk_weights):
+        return self.inner.forward(layer, hidden, topk_ids, topk_weights)
+
+    def __del__(self):
+        if getattr(self, "pinned", False):  # page-locked memory must be unlocked before it is freed
+            cudart = torch.cuda.cudart()
+            for tensors in self.weights.values():
+                for t in tensors:
+                    cudart.cudaHostUnregister(t.data_ptr())
+
+    def forward_on_device(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor | None:
+        """x [T, H], ids/weights [T, k] on the compute device -> [T, H] there, or None to decline
+        (a small chunk, or a layer whose experts are quantized)."""
+        if x.shape[0] < self.min_tokens or layer not in self.weights:
+            return None
+        gate_up, down = self.weights[layer]
+        num_experts, inter = gate_up.shape[0], down.shape[2]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert
+        rows_of = order // ids.shape[1]  # [T*k] token of each pair
+        scale = weights.flatten()[order].float()[:, None]  # [T*k, 1]
+        counts = torch.bincount(flat, minlength=num_experts).tolist()  # one sync: the group sizes
+        routed = [(e, n) for e, n in enumerate(counts) if n]
+        starts = [0]
+        for _, n in routed:
+            starts.append(starts[-1] + n)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        staged: list = [None] * len(routed)
+        done: list = [None] * len(routed)
+        for j in range(min(self.ahead, len(routed))):
+            staged[j] = self._stage(gate_up, down, routed[j][0], None)
+        for j, (e, n) in enumerate(routed):
+            gu, dn, ready = staged[j]
+            if ready is not None:
+                torch.cuda.current_stream(x.device).wait_event(ready)
+            rows = rows_of[starts[j]:starts[j + 1]]
+            h = F.linear(x[rows], gu)  # [n, 2I]
+            y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], dn)  # [n, H]
+            out.index_add_(0, rows, y.float() * scale[starts[j]:starts[j + 1]])
+            staged[j] = None
+            if self._copies is not None:
+                done[j] = torch.cuda.Event()
+                done[j].record(torch.cuda.current_stream(x.device))
+            if j + self.ahead < len(routed):  # the next expert's copy starts once this one is computed
+                staged[j + self.ahead] = self._stage(gate_up, down, routed[j + self.ahead][0], done[j])
+        self.calls += 1
+        return out.to(x.dtype)
+
+    def _stage(self, gate_up, down, expert: int, after):
+        """Expert `expert`'s weights on the device, and the event that says they have arrived."""
+        if self._copies is None:
+            return gate_up[expert].to(self.device), down[expert].to(self.device), None
+        compute = torch.cuda.current_stream(self.device)
+        self._copies.wait_stream(compute) if after is None else self._copies.wait_event(after)
+        with torch.cuda.stream(self._copies):
+            gu = gate_up[expert].to(self.device, non_blocking=self.pinned)
+            dn = down[expert].to(self.device, non_blocking=self.pinned)
+            ready = torch.cuda.Event()
+            ready.record(self._copies)
+        # Allocated on the copy stream, used and freed on the compute one.
+        gu.record_stream(compute)
+        dn.record_stream(compute)
+        return gu, dn, ready
+
+
+# Allocations this large are mmapped by the C allocator, so no two share a page (registering a
+# page twice fails, and the error would surface at the next kernel launch).
+PAGE_LOCK_MIN_BYTES = 64 << 20
+
+
+def _page_lock(layers) -> bool:
+    """cudaHostRegister every tensor: copies from them then run without a staging buffer. All or
+    none: any tensor under PAGE_LOCK_MIN_BYTES (which may share a page) leaves them all pageable."""
+    cudart = torch.cuda.cudart()
+    tensors = [t for pair in layers for t in pair]
+    if not tensors or any(t.numel() * t.element_size() < PAGE_LOCK_MIN_BYTES or not t.is_contiguous()
+                          for t in tensors):
+        return False
+    for i, t in enumerate(tensors):
+        status = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(status) != 0:
+            for done in tensors[:i]:
+                cudart.cudaHostUnregister(done.data_ptr())
+            log.warning("could not page-lock the expert weights (cudaError %s): prefill copies them "
+                        "from pageable memory", int(status))
+            return False
+    return True

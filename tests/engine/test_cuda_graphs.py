@@ -1,0 +1,110 @@
+"""Decode on CUDA: attention on the GPU, routed experts on the CPU, steps replayed from CUDA graphs.
+
+The suite never needs a GPU: these tests skip without one, and run on a GPU machine
+(benchmarks/gpu_hybrid.py's --test). What CUDA graphs change is how kernels are launched, so a
+graphed engine must give transformers' greedy tokens, and the same logits as the eager engine for
+batches padded to a captured size (padding rows must write no KV and change nothing).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine import cuda_graph
+from tandem.engine.llm_engine import EngineConfig, LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv.cache import DEVICE
+
+from test_parity import hf_greedy, prompt_for
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+NEW_TOKENS = 24
+
+
+def test_captured_sizes_cover_every_batch_up_to_the_limit():
+    assert cuda_graph.batch_sizes(1) == (1,)
+    assert cuda_graph.batch_sizes(5) == (1, 2, 4, 5)
+    assert cuda_graph.batch_sizes(128)[-1] == 128
+    for limit in (1, 3, 24, 100):
+        sizes = cuda_graph.batch_sizes(limit)
+        assert all(any(s >= n for s in sizes) for n in range(1, limit + 1)) and max(sizes) == limit
+
+
+def test_no_graphs_off_cuda(demo_model_dir):
+    engine = LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu", config=EngineConfig())
+    assert engine.runner.graphs is None
+    assert cuda_graph.unsupported_reason(engine.model, engine.cache) == "the compute device is not CUDA"
+
+
+def cuda_engine(model_dir, *, enforce_eager: bool, dtype="float32", **config):
+    config = EngineConfig(enforce_eager=enforce_eager, num_device_blocks=160, max_num_seqs=8, **config)
+    return LLMEngine.from_pretrained(model_dir, device="cuda", dtype=dtype, config=config)
+
+
+def greedy(engine, prompts, n=NEW_TOKENS):
+    logits = {}
+    engine.runner.logits_hook = lambda rid, row: logits.setdefault(rid, []).append(row.float().cpu())
+    results = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return [r.token_ids for r in results], [torch.stack(logits[r.request_id]) for r in results]
+
+
+@cuda
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "llama"])
+def test_graphed_decode_gives_transformers_greedy_tokens(arch, demo_model_dir):
+    model_dir = demo_model_dir(arch, initializer_range=0.2)
+    prompt = prompt_for(1, 11)
+    ref_tokens, ref_logits = hf_greedy(model_dir, prompt, NEW_TOKENS)
+    engine = cuda_engine(model_dir, enforce_eager=False)
+    [tokens], [logits] = greedy(engine, [prompt])
+    assert engine.runner.graphs is not None and engine.runner.graphs.steps == NEW_TOKENS - 1
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max().item() <= 1e-3
+
+
+@cuda
+def test_prefill_experts_streamed_to_the_gpu_give_transformers_greedy_tokens(demo_model_dir):
+    # Every prefill chunk of 8+ tokens runs its routed experts on the GPU (tandem.experts.device_prefill).
+    model_dir = demo_model_dir("mixtral", initializer_range=0.2)
+    prompt = prompt_for(2, 30)
+    ref_tokens, ref_logits = hf_greedy(model_dir, prompt, NEW_TOKENS)
+    engine = cuda_engine(model_dir, enforce_eager=False, device_prefill_tokens=8)
+    [tokens], [logits] = greedy(engine, [prompt])
+    streamed = {id(layer.mlp.executor): layer.mlp.executor for layer in engine.model.model.layers}
+    assert [e.calls for e in streamed.values()] == [len(engine.model.model.layers)]  # one per layer, the prefill
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max().item() <= 1e-3
+
+
+@cuda
+@pytest.mark.parametrize("num_seqs", [3, 5])
+def test_graphed_batches_match_eager_ones(num_seqs, demo_model_dir):
+    # Lengths around the block size (16): partial, exact and multi-block tables; 3 and 5
+    # sequences pad to the captured sizes 4 and 8.
+    model_dir = demo_model_dir("mixtral", initializer_range=0.2)
+    prompts = [prompt_for(s, n) for s, n in zip(range(num_seqs), (5, 16, 17, 31, 40))]
+    eager = cuda_engine(model_dir, enforce_eager=True)
+    graphed = cuda_engine(model_dir, enforce_eager=False)
+    ref_tokens, ref_logits = greedy(eager, prompts)
+    tokens, logits = greedy(graphed, prompts)
+    assert eager.runner.graphs is None
+    assert graphed.runner.graphs.steps >= NEW_TOKENS - 1
+    assert graphed.runner.graphs.captured_sizes[-1] >= num_seqs
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        assert (a - b).abs().max().item() <= 1e-4
+    # Both caches started as zeros and took the same blocks: padding rows wrote nowhere.
+    for name, ref in eager.cache.tiers[DEVICE].items():
+        torch.testing.assert_close(graphed.cache.tiers[DEVICE][name], ref, atol=1e-4, rtol=0)
+
+
+@cuda
+def test_graphed_bfloat16_tracks_eager(demo_model_dir):
+    model_dir = demo_model_dir("qwen3_moe", initializer_range=0.2)
+    prompts = [prompt_for(7, 9), prompt_for(8, 20)]
+    ref_tokens, ref_logits = greedy(cuda_engine(model_dir, enforce_eager=True, dtype="bfloat16"), prompts)
+    tokens, logits = greedy(cuda_engine(model_dir, enforce_eager=False, dtype="bfloat16"), prompts)
+    # Same kernels, launched differently: the same numbers.
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        assert (a - b).abs().max().item() <= 1e-2

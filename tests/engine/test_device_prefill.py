@@ -1,0 +1,46 @@
+"""DevicePrefill: large prefill chunks' routed experts computed where the hidden states are, the
+weights copied there a few experts ahead. On the CPU the copies are no-ops, which checks the
+grouping and the pipeline's bookkeeping against the torch reference executor; the streamed CUDA
+path runs in tests/engine/test_cuda_graphs.py on a GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_experts_cpu import batch, layers, rel_err  # noqa: F401 (layers is a fixture)
+
+from tandem.experts.cpu_executor import CpuExpertExecutor
+from tandem.experts.device_prefill import DevicePrefill
+from tandem.experts.torch_executor import TorchExpertExecutor
+
+
+@pytest.mark.parametrize("ahead", [1, 3, 16])
+@pytest.mark.parametrize("tokens", [16, 61])
+def test_large_chunks_match_the_reference_executor(layers, ahead, tokens):  # noqa: F811
+    device_path = DevicePrefill(CpuExpertExecutor(layers, kernel="torch", threads=1), torch.device("cpu"),
+                                min_tokens=16, ahead=ahead)
+    reference = TorchExpertExecutor(layers)
+    for layer in (3, 5):
+        hidden, ids, weights = batch(tokens, seed=layer)
+        got = device_path.forward_on_device(layer, hidden, ids, weights)
+        assert got is not None and got.shape == hidden.shape and got.dtype == hidden.dtype
+        assert rel_err(got, reference.forward(layer, hidden, ids, weights)) < 1e-5
+    assert device_path.calls == 2
+
+
+def test_small_chunks_and_quantized_layers_stay_on_the_cpu(layers):  # noqa: F811
+    hidden, ids, weights = batch(8)
+    floats = DevicePrefill(CpuExpertExecutor(layers, kernel="torch", threads=1), torch.device("cpu"), min_tokens=9)
+    assert floats.forward_on_device(3, hidden, ids, weights) is None  # below min_tokens
+    assert floats.forward_on_device(4, *batch(20)) is None  # a layer with no routed experts here
+    int8 = DevicePrefill(CpuExpertExecutor(layers, quant="int8", kernel="torch", threads=1), torch.device("cpu"),
+                         min_tokens=1)
+    assert int8.weights == {} and int8.forward_on_device(3, hidden, ids, weights) is None
+    # what declines goes to the CPU executor, unchanged
+    torch.testing.assert_close(floats.forward(3, hidden, ids, weights), floats.inner.forward(3, hidden, ids, weights))
+
+
+def test_bad_settings_are_refused(layers):  # noqa: F811
+    with pytest.raises(ValueError, match="at least 1"):
+        DevicePrefill(CpuExpertExecutor(layers, kernel="torch", threads=1), torch.device("cpu"), min_tokens=0)
