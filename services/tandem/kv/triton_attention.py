@@ -47,7 +47,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     when that is positive, else all of them. A row with seq_len 0 is padding: zeros, no cache read.
     Each sequence's keys are split into `partitions` ranges scored in parallel and then combined
     (flash-decoding); by default enough to fill the GPU, a number fixed by B and Hkv alone. `out`,
-    when given ([B, H, Dv], any strides), is written in place and returned. Raises ValueError for a block size that is not a power of two (callers fall back to torch).
+    when given ([B, H, Dv], any strides), is written in place and returned. Raises ValueError for
+    a block size that is not a power of two (callers fall back to torch).
     """
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
