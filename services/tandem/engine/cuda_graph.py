@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.kv import triton_attention
-from tandem.kv.attention import AttentionMetadata
+from tandem.kv.attention import AttentionMetadata, slots_of
 from tandem.kv.cache import KVCache
 from tandem.kv.tiered import LayerKV, StepAttention
 from tandem.model.attention import Attention
@@ -145,8 +145,8 @@ class DecodeGraphs:
         return sorted(self._batches)
 
     def _load_inputs(self, b: _Batch, token_ids, positions, block_tables) -> None:
-        n, size, bs = len(token_ids), b.size, self.cache.block_size
-        slots = [t[p // bs] * bs + p % bs for p, t in zip(positions, block_tables)]
+        n, size = len(token_ids), b.size
+        slots = slots_of(positions, block_tables, self.cache.block_size)
         pad = size - n
         head = torch.tensor(token_ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad
                             + [p + 1 for p in positions] + [0] * pad, dtype=torch.long)

@@ -23,6 +23,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from tandem.experts.routing import group_by_expert
+from tandem.experts.torch_kernels import moe_with_linears
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MIN_TOKENS = 128
@@ -65,53 +68,63 @@ class DevicePrefill:
         if x.shape[0] < self.min_tokens or layer not in self.weights:
             return None
         gate_up, down = self.weights[layer]
-        num_experts, inter = gate_up.shape[0], down.shape[2]
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert
-        rows_of = order // ids.shape[1]  # [T*k] token of each pair
-        scale = weights.flatten()[order].float()[:, None]  # [T*k, 1]
-        counts = torch.bincount(flat, minlength=num_experts).tolist()  # one sync: the group sizes
-        routed = [(e, n) for e, n in enumerate(counts) if n]
-        starts = [0]
-        for _, n in routed:
-            starts.append(starts[-1] + n)
+        groups = group_by_expert(ids, weights, gate_up.shape[0])
+        staged = _Staged(self, gate_up, down, [e for e, n in enumerate(groups.counts) if n])
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-        staged: list = [None] * len(routed)
-        done: list = [None] * len(routed)
-        for j in range(min(self.ahead, len(routed))):
-            staged[j] = self._stage(gate_up, down, routed[j][0], None)
-        for j, (e, n) in enumerate(routed):
-            gu, dn, ready = staged[j]
-            if ready is not None:
-                torch.cuda.current_stream(x.device).wait_event(ready)
-            rows = rows_of[starts[j]:starts[j + 1]]
-            h = F.linear(x[rows], gu)  # [n, 2I]
-            y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], dn)  # [n, H]
-            out.index_add_(0, rows, y.float() * scale[starts[j]:starts[j + 1]])
-            staged[j] = None
-            if self._copies is not None:
-                done[j] = torch.cuda.Event()
-                done[j].record(torch.cuda.current_stream(x.device))
-            if j + self.ahead < len(routed):  # the next expert's copy starts once this one is computed
-                staged[j + self.ahead] = self._stage(gate_up, down, routed[j + self.ahead][0], done[j])
+        moe_with_linears(x, groups, staged.gate_up, staged.down, out)
         self.calls += 1
         return out.to(x.dtype)
 
-    def _stage(self, gate_up, down, expert: int, after):
-        """Expert `expert`'s weights on the device, and the event that says they have arrived."""
-        if self._copies is None:
-            return gate_up[expert].to(self.device), down[expert].to(self.device), None
-        compute = torch.cuda.current_stream(self.device)
-        self._copies.wait_stream(compute) if after is None else self._copies.wait_event(after)
-        with torch.cuda.stream(self._copies):
-            gu = gate_up[expert].to(self.device, non_blocking=self.pinned)
-            dn = down[expert].to(self.device, non_blocking=self.pinned)
+
+class _Staged:
+    """One call's routed experts, copied to the device `ahead` experts in front of the one that
+    `moe_with_linears` computes (which takes them in expert order): its two products."""
+
+    def __init__(self, owner: DevicePrefill, gate_up: torch.Tensor, down: torch.Tensor, routed: list[int]):
+        self.owner, self.gate_up_w, self.down_w, self.routed = owner, gate_up, down, routed
+        self.copies = owner._copies  # None on the CPU: the copies are plain .to() calls
+        self.staged: dict[int, tuple] = {}
+        self.next = 0  # index in `routed` of the next expert to copy
+        for _ in range(min(owner.ahead, len(routed))):
+            self._copy_next(after=None)
+
+    def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gu, _, ready = self.staged[expert]
+        if ready is not None:
+            torch.cuda.current_stream(x.device).wait_event(ready)
+        return F.linear(x, gu)  # [n, 2I]
+
+    def down(self, expert: int, act: torch.Tensor) -> torch.Tensor:
+        _, dn, _ = self.staged.pop(expert)
+        y = F.linear(act, dn)  # [n, H]
+        done = None
+        if self.copies is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(act.device))
+        if self.next < len(self.routed):  # the next expert's copy starts once this one is computed
+            self._copy_next(after=done)
+        return y
+
+    def _copy_next(self, after) -> None:
+        """Copy the next routed expert's weights; on CUDA on the side stream, after event `after`
+        (None: after the compute stream's work so far)."""
+        expert = self.routed[self.next]
+        self.next += 1
+        device = self.owner.device
+        if self.copies is None:
+            self.staged[expert] = (self.gate_up_w[expert].to(device), self.down_w[expert].to(device), None)
+            return
+        compute = torch.cuda.current_stream(device)
+        self.copies.wait_stream(compute) if after is None else self.copies.wait_event(after)
+        with torch.cuda.stream(self.copies):
+            gu = self.gate_up_w[expert].to(device, non_blocking=self.owner.pinned)
+            dn = self.down_w[expert].to(device, non_blocking=self.owner.pinned)
             ready = torch.cuda.Event()
-            ready.record(self._copies)
+            ready.record(self.copies)
         # Allocated on the copy stream, used and freed on the compute one.
         gu.record_stream(compute)
         dn.record_stream(compute)
-        return gu, dn, ready
+        self.staged[expert] = (gu, dn, ready)
 
 
 # Allocations this large are mmapped by the C allocator, so no two share a page (registering a

@@ -53,8 +53,7 @@ class AttentionMetadata:
         if all(n == 1 for n in lens):  # decode: one token per sequence, built from lists in a few ops
             tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
             # positions, slots and lengths: one tensor from one list, three views of it
-            flat = torch.tensor(starts + [t[p // block_size] * block_size + p % block_size
-                                          for p, t in zip(starts, block_tables)] + [p + 1 for p in starts],
+            flat = torch.tensor(starts + slots_of(starts, block_tables, block_size) + [p + 1 for p in starts],
                                 dtype=torch.long)
             query_pos, slot_mapping, seq_lens = flat[:num_seqs].view(-1, 1), flat[num_seqs:-num_seqs], flat[-num_seqs:]
             query_index = torch.arange(num_seqs).view(-1, 1)
@@ -79,6 +78,11 @@ class AttentionMetadata:
         if device.type != "cpu":  # built on the CPU: moved only when the step runs elsewhere
             tensors = tuple(t.to(device) for t in tensors)
         return cls(*tensors, key_len=l_max, sliding_window=sliding_window)
+
+
+def slots_of(positions: list[int], block_tables: list[list[int]], block_size: int) -> list[int]:
+    """The cache slot (block_id * block_size + offset) of each sequence's token at positions[i]."""
+    return [t[p // block_size] * block_size + p % block_size for p, t in zip(positions, block_tables)]
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
@@ -108,8 +112,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Float32 decode steps on the CPU run the native kernel, which reads K and V in place; decode
     steps on CUDA run the Triton kernel (`tandem.kv.triton_attention`), which does too and which a
     CUDA graph can capture; everything else (prefill chunks, no compiler, no Triton) runs
-    `sdpa_paged_attention`. bf16 stays on SDPA too:
-    the kernel accumulates in float32 and rounds once, torch's attention rounds the probabilities
+    `sdpa_paged_attention`. On the CPU bf16 stays on SDPA too:
+    the native kernel accumulates in float32 and rounds once, torch's attention rounds the probabilities
     to bf16, and a one-ulp difference can flip an expert choice downstream, so bf16 serving would
     stop tracking transformers (the kernel itself takes bf16; see tests/engine/test_native_attention.py).
     `native_any_dtype` lifts that for attention with no transformers counterpart (the CPU tier's).
