@@ -4,8 +4,8 @@ around `GrpcExpertExecutor.forward`, on the comparison checkpoint, int8 experts 
     python benchmarks/split_calls.py --cores shared|disjoint [--spin-us N] [--attention-threads N] [--checkpoint DIR]
 
 Starts `tandem serve --role experts` as `tandem bench --mode split` does (shared: both processes
-on every core, this one on one thread; disjoint: one core each), decodes one stream, and prints
-the best of three 40-step windows. To compare two checkouts, run each with PYTHONPATH pointing at
+on every core; disjoint: one core each; a thread per core on each side), decodes one stream, and
+prints the best of three 40-step windows. To compare two checkouts, run each with PYTHONPATH pointing at
 its `services/`, alternating.
 """
 
@@ -24,8 +24,8 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cores", choices=["shared", "disjoint"], required=True)
-    ap.add_argument("--spin-us", type=int, default=0)
-    ap.add_argument("--attention-threads", type=int, help="default: 1 on shared cores, else the attention cores")
+    ap.add_argument("--spin-us", type=int, default=20000)
+    ap.add_argument("--attention-threads", type=int, help="default: one per attention core")
     ap.add_argument("--checkpoint", type=Path, default=CACHE / "compare-mixtral")
     args = ap.parse_args()
 
@@ -51,7 +51,7 @@ def main() -> None:
         engine_bench.pin_process(attention)
         engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype="float32", expert_quant="int8",
                                            dense_quant="int8", expert_executor=client)
-        torch.set_num_threads(args.attention_threads or (1 if args.cores == "shared" else len(attention)))
+        torch.set_num_threads(args.attention_threads or len(attention))
         calls = {"seconds": 0.0, "n": 0}
         forward = client.forward
 
@@ -64,6 +64,15 @@ def main() -> None:
                 calls["n"] += 1
 
         client.forward = timed_forward
+        if hasattr(client, "record_call"):  # the native decode step's own calls (data_plane_calls)
+            record = client.record_call
+
+            def counted_record(seconds):
+                calls["seconds"] += seconds
+                calls["n"] += 1
+                record(seconds)
+
+            client.record_call = counted_record
         engine.add_request("calls", list(range(5, 37)), SamplingParams(max_tokens=1000, temperature=0.0,
                                                                          ignore_eos=True))
         for _ in range(5):  # prefill and warm-up

@@ -173,11 +173,11 @@ def add_bench_parser(sub) -> None:
                    help="split: experts in a `serve --role experts` process on cores disjoint from this "
                         "one's, measured against embedded in the same run")
     p.add_argument("--split-cores", choices=["disjoint", "shared"], default="disjoint",
-                   help="--mode split: disjoint cores per process (default; 2 cores split 1 + 1), or both on "
-                        "every core taking turns, the attention process with one thread")
-    p.add_argument("--spin-us", type=int,
-                   help="--mode split: how long each side of the data plane polls for the other before "
-                        "sleeping (default 20000 on disjoint cores, 0 on shared ones)")
+                   help="--mode split: disjoint cores per process (default; 2 cores split 1 + 1), or both "
+                        "processes on every core, taking turns")
+    p.add_argument("--spin-us", type=int, default=20000,
+                   help="--mode split: how long each side of the data plane polls for the other, yielding "
+                        "its core, before sleeping (default 20000)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip measuring this machine's read bandwidth")
     from tandem.cli import add_engine_args
 
@@ -249,29 +249,24 @@ def bench_split(args, concurrency: list[int], bandwidth: dict | None) -> dict:
     """Embedded first (all cores), then the split pair, in one run: the per-token ratio between
     them is the cost of the split deployment on this machine.
 
-    Disjoint cores are what Kubernetes' static CPU manager gives the pod's two containers: each
-    side of the data plane then polls for the other (`--spin-us`) rather than sleeping, since a
-    sleeping core is slow to wake (most of all a VM's).
-
-    On shared cores the processes take turns: attention, the experts of that layer, the next
-    layer's attention. GNU OpenMP's idle threads spin for milliseconds after each parallel region
-    and take the cores the other process needs, while sleeping ones (OMP_WAIT_POLICY=PASSIVE) pay
-    a wake-up at every region, which doubles the step here. So the attention process runs one
-    thread (no idle workers at all) and the experts keep the default policy: their spinning worker
-    sits on the core the single attention thread leaves free."""
+    Disjoint cores are what Kubernetes' static CPU manager gives the pod's two containers. On
+    shared cores the processes take turns: attention, the experts of that layer, the next layer's
+    attention. Either way both processes run a thread per core of theirs, and each side of the data
+    plane waits for the other polling the socket (`--spin-us`), its OpenMP workers parked in the
+    wait too (experts/csrc/data_plane.cpp), rather than sleeping: a sleeping core is slow to wake
+    (most of all a VM's). The polling threads yield their core at every turn, so on shared cores
+    the process whose turn it is gets both."""
     from tandem.cli import UsageError
 
     all_cores = sorted(os.sched_getaffinity(0))
     if args.split_cores == "shared":
         attention_cores = expert_cores = all_cores
-        attention_threads = 1
     else:
         try:
             attention_cores, expert_cores = split_cores(all_cores)
         except ValueError as exc:
             raise UsageError(f"--mode split: {exc}") from None
-        attention_threads = len(attention_cores)
-    spin_us = args.spin_us if args.spin_us is not None else 0 if args.split_cores == "shared" else 20000
+    attention_threads, spin_us = len(attention_cores), args.spin_us
     threads = torch.get_num_threads()  # the embedded run's executor sets its own; restored below
     embedded, bytes_per_expert = bench_engine(args, concurrency, bandwidth)
     experts_proc, args.expert_executor = start_split_experts(args, expert_cores, spin_us)

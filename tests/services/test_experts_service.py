@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -207,4 +208,70 @@ async def test_decode_frames_are_served_natively_and_the_rest_by_python(start_se
         await asyncio.to_thread(client.forward, 0, hidden, ids + 8, weights)
     assert native_end.served == before_served + 1  # none of those
     assert latency_count() == before_count + 3
+    client.close()
+
+
+async def test_native_decode_steps_call_the_experts_over_the_data_plane(start_server, model_dir, tmp_path,
+                                                                         monkeypatch, caplog):
+    """The split deployment's attention side: one native call runs each decode step's layers and
+    makes every layer's Forward over the data plane itself. It gives the tokens and logits of the
+    torch path calling the same server; every call is counted on both ends; an error the server
+    answers is raised naming it with the connection still in step; a server gone is
+    ExpertsUnavailable."""
+    from types import SimpleNamespace
+
+    from tandem.engine.llm_engine import EngineConfig, LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.rpc import experts_server
+
+    made = []
+    build = experts_server.native_expert_server
+    monkeypatch.setattr(experts_server, "native_expert_server", lambda *a: made.append(build(*a)) or made[-1])
+    path = model_dir("qwen3_moe")
+    server = await start_server(model=str(path), role="experts", listen=f"unix:{tmp_path}/experts.sock")
+    [native_end] = made
+    calls = SimpleNamespace(expert_call_latency=SimpleNamespace(values=[]))
+    calls.expert_call_latency.observe = calls.expert_call_latency.values.append
+    client = GrpcExpertExecutor(server.address, metrics=calls)
+    await asyncio.to_thread(client.info)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [3, 9, 4, 7, 11]
+
+    def run(native_decode: bool):
+        engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", config=EngineConfig(),
+                                           expert_executor=client)
+        engine.model.native_decode = native_decode
+        rows = []
+        engine.runner.logits_hook = lambda rid, row: rows.append(row.clone())
+        [out] = engine.generate([prompt], params)
+        return engine, out.token_ids, torch.stack(rows)
+
+    _, torch_tokens, torch_logits = await asyncio.to_thread(run, False)
+    served, observed = native_end.served, len(calls.expert_call_latency.values)
+    engine, tokens, logits = await asyncio.to_thread(run, True)
+    native_path, layers = engine.model.native_path, len(engine.model.model.layers)
+    assert native_path.remote is client and native_path.natives is not None
+    assert native_path.steps == params.max_tokens - 1
+    assert tokens == torch_tokens
+    assert (logits - torch_logits).abs().max().item() <= 1e-4
+    assert native_end.served == served + layers * params.max_tokens  # prefill and every decode step's layers
+    assert len(calls.expert_call_latency.values) == observed + layers * params.max_tokens
+    assert all(s > 0 for s in calls.expert_call_latency.values)
+
+    native_path.natives[1].layer = 7  # a layer the server does not hold: it answers INVALID_ARGUMENT
+    with caplog.at_level(logging.ERROR, logger="tandem.engine.llm_engine"):
+        [failed] = await asyncio.to_thread(engine.generate, [prompt], params)
+    assert failed.finish_reason == "error"  # the engine fails the request in that step, as any forward error
+    assert "INVALID_ARGUMENT: layer: 7 has no routed experts here" in caplog.text
+    native_path.natives[1].layer = 1
+    assert client._data is not None  # still in step
+    local = build_expert_executor(path)
+    hidden, ids, weights = batch()
+    assert torch.equal(await asyncio.to_thread(client.forward, 0, hidden, ids, weights),
+                       local.forward(0, hidden, ids, weights))
+
+    assert await server.close() == 0
+    with pytest.raises(ExpertsUnavailable, match="experts data plane"):
+        await asyncio.to_thread(engine.generate, [[5, 6, 7]], params)
+    assert client._data is None  # closed, to be made again once the experts are back
     client.close()

@@ -15,8 +15,12 @@ Where the experts run decides how much one call does:
   watch the calls (`inner` + `observe`, e.g. the serving metrics' timer): the whole layer, and the
   wrappers see each call through `observe(layer, topk_ids, seconds)`; when every layer's experts
   are here, one native call (`decode_layers`) runs all the layers and the final norm;
-- anywhere else (the split deployment's experts process, the torch kernels, a patched `forward`):
-  the native call stops at the router and the layer's executor is called with its output.
+- in the split deployment's experts process, reached over the data plane (an executor with
+  `data_plane_calls`, `tandem.rpc.experts_client.GrpcExpertExecutor`): when every layer's experts
+  are there, one native call runs all the layers and makes each layer's Forward call itself
+  (`decode_layers` with the connection); without a data plane connection (gRPC only), as below;
+- anywhere else (the torch kernels, a patched `forward`): the native call stops at the router and
+  the layer's executor is called with its output.
 """
 
 from __future__ import annotations
@@ -40,16 +44,33 @@ class Unsupported(ValueError):
     """The model (as it is now) cannot take the native decode path; the message says why."""
 
 
-def unwrap_executor(executor) -> tuple[CpuExpertExecutor, list]:
-    """The native in-process executor behind `executor`, and the `observe` hooks of the wrappers
-    around it (outermost first)."""
+def _watched(executor) -> tuple[object, list]:
+    """The executor behind the wrappers that only watch its calls (`inner` + `observe`), and their
+    `observe` hooks (outermost first)."""
     observers = []
     while not isinstance(executor, CpuExpertExecutor):
         inner, observe = getattr(executor, "inner", None), getattr(executor, "observe", None)
         if inner is None or observe is None:
-            raise Unsupported(f"the experts run on {type(executor).__name__}, not in this process")
+            break
         observers.append(observe)
         executor = inner
+    return executor, observers
+
+
+def _remote(executor):
+    """The data plane client behind the watching wrappers (None if the experts are not called that way)."""
+    executor, _ = _watched(executor)
+    if hasattr(executor, "data_plane_calls") and "forward" not in getattr(executor, "__dict__", {}):
+        return executor
+    return None
+
+
+def unwrap_executor(executor) -> tuple[CpuExpertExecutor, list]:
+    """The native in-process executor behind `executor`, and the `observe` hooks of the wrappers
+    around it (outermost first)."""
+    executor, observers = _watched(executor)
+    if not isinstance(executor, CpuExpertExecutor):
+        raise Unsupported(f"the experts run on {type(executor).__name__}, not in this process")
     if executor.native is None:
         raise Unsupported("the native expert kernel is not loaded")
     if "forward" in getattr(executor, "__dict__", {}):  # patched or wrapped in place: honour it, call it from Python
@@ -101,13 +122,15 @@ class _Layer:
         if mlp.gate.weight.dtype != torch.float32:
             raise Unsupported(f"layer {index}: the router is {mlp.gate.weight.dtype}, not float32")
         d.router = mlp.gate.weight.detach().contiguous()
-        d.top_k, d.normalize = mlp.top_k, bool(mlp.normalize)
-        self.observers, self.max_tokens = [], DEFAULT_MAX_TOKENS
+        d.top_k, d.normalize, d.layer = mlp.top_k, bool(mlp.normalize), mlp.layer
+        self.max_tokens = DEFAULT_MAX_TOKENS
+        self.remote = _remote(mlp.executor)  # the experts process's client, when they are there
         try:
             executor, self.observers = unwrap_executor(mlp.executor)
             experts = executor.layers[mlp.layer]
         except (Unsupported, KeyError) as exc:
             self.local = False  # the executor is called with the router's output
+            self.observers = _watched(mlp.executor)[1] if self.remote is not None else []
             _log.debug("layer %d: experts through the executor: %s", index, exc)
         else:
             self.local, self.max_tokens = True, min(executor.prefill_tokens, DEFAULT_MAX_TOKENS)
@@ -141,8 +164,12 @@ class NativeDecode:
         self.final_eps = float(model.model.norm.eps)
         kernel = native.load_kernel()
         self.rms_norm, self.decode_layers = kernel.rms_norm, kernel.decode_layers
-        # Every layer's experts inside its native call: the whole step is one call (decode_layers).
-        self.natives = [layer.native for layer in self.layers] if self.local_experts else None
+        # Every layer's experts inside its native call, or every layer's in the one experts process
+        # over the data plane: the whole step is one call (decode_layers).
+        remotes = {id(layer.remote): layer.remote for layer in self.layers}
+        self.remote = next(iter(remotes.values())) if len(remotes) == 1 and not self.local_experts else None
+        one_call = self.local_experts or self.remote is not None
+        self.natives = [layer.native for layer in self.layers] if one_call else None
         # Int8Linear and the executor hand batches above their threshold to GEMMs; so does this path.
         limits = [layer.max_tokens for layer in self.layers]
         limits += [m.kernel.prefill_tokens for m in model.modules() if isinstance(m, Int8Linear)]
@@ -167,17 +194,26 @@ class NativeDecode:
         window = meta.sliding_window or 0
         self.steps += 1
         if self.natives is not None:
-            out, seconds, ids = self.decode_layers(
-                self.natives, x, cos, sin, [layer_kv.device["k"] for layer_kv in kv],
-                [layer_kv.device["v"] for layer_kv in kv], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                window, self.final_norm, self.final_eps)
-            for layer, layer_seconds, layer_ids in zip(self.layers, seconds, ids):
-                for observe in layer.observers:
-                    observe(layer.moe_layer, layer_ids, layer_seconds)
-            return out
-        for layer, layer_kv in zip(self.layers, kv):
+            args = (self.natives, x, cos, sin, [layer_kv.device["k"] for layer_kv in kv],
+                    [layer_kv.device["v"] for layer_kv in kv], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                    window, self.final_norm, self.final_eps)
+            if self.remote is None:
+                return self._observed(*self.decode_layers(*args))
+            with self.remote.data_plane_calls() as plane:
+                if plane is not None:
+                    out, seconds, ids = self.decode_layers(*args, *plane)
+                    for s in seconds:
+                        self.remote.record_call(s)
+                    return self._observed(out, seconds, ids)
+        for layer, layer_kv in zip(self.layers, kv):  # no data plane connection: Forward over gRPC
             layer(x, cos, sin, layer_kv, meta, window)
         return self.rms_norm(x, self.final_norm, self.final_eps)
+
+    def _observed(self, out: torch.Tensor, seconds: list[float], ids: list[torch.Tensor]) -> torch.Tensor:
+        for layer, layer_seconds, layer_ids in zip(self.layers, seconds, ids):
+            for observe in layer.observers:
+                observe(layer.moe_layer, layer_ids, layer_seconds)
+        return out
 
 
 def signature(model: nn.Module) -> tuple:
@@ -213,7 +249,9 @@ def build(model: nn.Module) -> NativeDecode | None:
     except Unsupported as exc:
         path, message = None, f"native decode path off, decode runs the torch layers: {exc}"
     else:
-        where = "inside the call" if path.local_experts else "through the expert executor"
+        where = ("inside the call" if path.local_experts else
+                 "in the experts process, called from the native call" if path.remote is not None else
+                 "through the expert executor")
         message = (f"native decode path on: {len(path.layers)} layers, experts {where}, "
                    f"up to {path.max_tokens} tokens a step")
     if message != _last_message:

@@ -63,10 +63,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--expert-timeout", type=float, default=30.0,
                    help="seconds one call to the experts process may take before it counts as down (default 30)")
     p.add_argument(F["spin_us"], type=int, default=0,
-                   help="split roles on a Unix socket: wait for the other process spinning for up to this many "
-                        "microseconds before sleeping. Worth it (a sleeping core is slow to wake) when each "
-                        "process has cores of its own, e.g. under the kubelet's static CPU manager; it takes "
-                        "the core from the other process on shared cores (default 0: sleep at once)")
+                   help="split roles on a Unix socket: wait for the other process polling, yielding the core at "
+                        "each poll, for up to this many microseconds before sleeping (a sleeping core is slow to "
+                        "wake). Worth it (e.g. 20000) whether the two processes have cores of their own or share "
+                        "them; the polling is CPU time, counted against a container's CPU limit (default 0: "
+                        "sleep at once)")
     p.set_defaults(func=run_serve)
     return p
 

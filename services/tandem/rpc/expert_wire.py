@@ -49,14 +49,16 @@ class WireError(RuntimeError):
     """A frame that does not parse: the connection is out of step and must be closed."""
 
 
-def _native_wire():
+def native_wire():
+    """The extension's `wire` module, or None (not built, or `use_native` turned off)."""
     if not use_native:
         return None
     kernel = native.load_kernel()
     return None if kernel is None else kernel.wire
 
 
-def _timeout_ms(sock: socket.socket) -> int:
+def timeout_ms(sock: socket.socket) -> int:
+    """The socket's timeout as the native functions take it: milliseconds, -1 for none."""
     timeout = sock.gettimeout()
     return -1 if timeout is None else math.ceil(timeout * 1000)
 
@@ -95,8 +97,8 @@ def send_request(sock: socket.socket, layer: int, hidden: torch.Tensor, topk_ids
     if hidden.dtype not in DTYPE_CODES:
         raise BadTensor("hidden", f"must be float32, bfloat16 or float16, got {hidden.dtype}")
     ids, weights = topk_ids.to(torch.int64).contiguous(), topk_weights.to(torch.float32).contiguous()
-    if (w := _native_wire()) is not None:
-        w.send_request(sock.fileno(), layer, hidden.contiguous(), ids, weights, _timeout_ms(sock))
+    if (w := native_wire()) is not None:
+        w.send_request(sock.fileno(), layer, hidden.contiguous(), ids, weights, timeout_ms(sock))
         return
     tokens, size = hidden.shape
     header = REQUEST.pack(REQUEST_MAGIC, DTYPE_CODES[hidden.dtype], layer, tokens, size, topk_ids.shape[1])
@@ -106,8 +108,8 @@ def send_request(sock: socket.socket, layer: int, hidden: torch.Tensor, topk_ids
 def recv_request(sock: socket.socket, spin_us: int = 0) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(layer, hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32). The native
     reader polls for up to `spin_us` before sleeping until the frame comes."""
-    if (w := _native_wire()) is not None:
-        return _call_native(w.recv_request, sock.fileno(), spin_us, _timeout_ms(sock))
+    if (w := native_wire()) is not None:
+        return _call_native(w.recv_request, sock.fileno(), spin_us, timeout_ms(sock))
     magic, code, layer, tokens, size, top_k = REQUEST.unpack(recv_exact(sock, REQUEST.size))
     if magic != REQUEST_MAGIC or code not in DTYPES:
         raise WireError(f"not an expert-forward frame (magic {magic!r}, dtype code {code})")
@@ -128,15 +130,15 @@ def serve_native(server, sock: socket.socket, spin_us: int = 0) -> tuple:
     """Reads the next frame into the native `ExpertServer`: (SERVED, seconds of compute),
     (SERVED_FAILING, message) when the kernel failed and INTERNAL was answered, or
     (FOR_PYTHON, layer, hidden, ids, weights) for a frame it leaves to the checked Python path."""
-    return _call_native(server.serve_one, sock.fileno(), spin_us, _timeout_ms(sock))
+    return _call_native(server.serve_one, sock.fileno(), spin_us, timeout_ms(sock))
 
 
 def send_response(sock: socket.socket, status: int, payload: torch.Tensor | str) -> None:
-    if (w := _native_wire()) is not None:
+    if (w := native_wire()) is not None:
         if isinstance(payload, str):
-            w.send_response(sock.fileno(), status, torch.empty(0), payload, _timeout_ms(sock))
+            w.send_response(sock.fileno(), status, torch.empty(0), payload, timeout_ms(sock))
         else:
-            w.send_response(sock.fileno(), status, payload.contiguous(), "", _timeout_ms(sock))
+            w.send_response(sock.fileno(), status, payload.contiguous(), "", timeout_ms(sock))
         return
     data = payload.encode() if isinstance(payload, str) else tensor_bytes(payload)
     sock.sendall(RESPONSE.pack(RESPONSE_MAGIC, status, len(data)) + data)
@@ -146,9 +148,9 @@ def recv_response(sock: socket.socket, dtype: torch.dtype, shape: tuple[int, int
                   spin_us: int = 0) -> tuple[int, torch.Tensor | str]:
     """(OK, output tensor) or (error status, message). The native reader polls for up to
     `spin_us` before sleeping until the response comes."""
-    if (w := _native_wire()) is not None:
+    if (w := native_wire()) is not None:
         return tuple(_call_native(w.recv_response, sock.fileno(), DTYPE_CODES[dtype], shape[0], shape[1], spin_us,
-                                  _timeout_ms(sock)))
+                                  timeout_ms(sock)))
     magic, status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
     if magic != RESPONSE_MAGIC or length > MAX_FRAME_BYTES:
         raise WireError(f"not an expert-forward response (magic {magic!r})")

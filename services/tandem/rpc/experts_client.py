@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from contextlib import contextmanager
 
 import grpc
 import torch
@@ -61,24 +62,61 @@ class GrpcExpertExecutor:
         return out.to(hidden.device)
 
     def _forward_data(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
+        with self._data_errors():
+            sock = self._data_connection()
+            wire.send_request(sock, layer, hidden, topk_ids, topk_weights)
+            status, payload = wire.recv_response(sock, hidden.dtype, tuple(hidden.shape), self.spin_us)
+        if status == wire.OK:
+            return payload
+        raise self._refused(status, payload)
+
+    @contextmanager
+    def data_plane_calls(self):
+        """For a native caller that makes Forward calls itself (`tandem.model.native_decode`):
+        yields (fd, spin_us, timeout_ms) of the data plane connection, connected now, or None
+        when Forward goes over gRPC. What the native wire raises inside becomes what `forward`
+        raises: ExpertsUnavailable when the experts process cannot be reached (the connection is
+        closed and made again on the next call), RuntimeError for an error it answered."""
+        if not (self.use_data_plane and self.data_socket) or (w := wire.native_wire()) is None:
+            yield None
+            return
+        with self._data_errors():
+            sock = self._data_connection()
+            try:
+                yield sock.fileno(), self.spin_us, wire.timeout_ms(sock)
+            except w.Refused as exc:
+                raise self._refused(*exc.args) from None
+            except w.BadFrame as exc:  # out of step: closed below, as the Python reader's WireError
+                raise wire.WireError(str(exc)) from None
+
+    def record_call(self, seconds: float) -> None:
+        """A Forward call a native caller made over `data_plane_calls`, for the metrics."""
+        if self.metrics is not None:
+            self.metrics.expert_call_latency.observe(seconds)
+
+    def _data_connection(self) -> socket.socket:
+        if self._data is None:
+            self._data = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._data.settimeout(self.timeout_s)
+            self._data.connect(self.data_socket)
+        return self._data
+
+    @contextmanager
+    def _data_errors(self):
         where = f"experts data plane at {self.data_socket}"
         try:
-            if self._data is None:
-                self._data = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._data.settimeout(self.timeout_s)
-                self._data.connect(self.data_socket)
-            wire.send_request(self._data, layer, hidden, topk_ids, topk_weights)
-            status, payload = wire.recv_response(self._data, hidden.dtype, tuple(hidden.shape), self.spin_us)
+            yield
         except BadTensor as exc:  # refused before sending: the connection is still in step
             raise RuntimeError(f"{where}: INVALID_ARGUMENT: {exc}") from exc
         except (OSError, wire.WireError) as exc:  # refused, reset, timed out: down, as gRPC's UNAVAILABLE
             self._close_data()
             raise ExpertsUnavailable(f"{where}: {exc}") from exc
-        if status == wire.OK:
-            return payload
-        if status == wire.UNAVAILABLE:
-            raise ExpertsUnavailable(f"{where}: UNAVAILABLE: {payload}")
-        raise RuntimeError(f"{where}: {wire.STATUS_NAMES.get(status, status)}: {payload}")
+
+    def _refused(self, status: int, message: str) -> Exception:
+        """The exception for an error status the experts process answered (the connection stays in step)."""
+        where = f"experts data plane at {self.data_socket}"
+        text = f"{where}: {wire.STATUS_NAMES.get(status, status)}: {message}"
+        return ExpertsUnavailable(text) if status == wire.UNAVAILABLE else RuntimeError(text)
 
     def _close_data(self) -> None:
         if self._data is not None:

@@ -5,13 +5,16 @@
 // frame costs a few hundred microseconds on a small VM (every op runs cold after the layer's
 // weight stream); here it is a sendmsg and a few recvs into the tensors' own memory.
 //
-// Waiting for the peer can spin: a process whose cores are its own (Kubernetes' static CPU
-// manager, `--split-cores disjoint`) polls the socket for up to `spin_us` before sleeping in
-// poll(2). A sleeping vCPU is slow to wake: on the development VM a round trip around 1–2 ms of
-// work on the other side costs 75–120 µs more than the work when both sides sleep, 35–50 µs when
-// they poll (benchmarks/wakeup_roundtrip.py), and each MoE layer makes one. On shared cores
-// spinning takes the core the peer needs, so it is off unless asked for.
+// Waiting for the peer can spin: each side polls the socket for up to `spin_us` before sleeping
+// in poll(2). A sleeping vCPU is slow to wake: on the development VM a round trip around 1–2 ms
+// of work on the other side costs 75–120 µs more than the work when both sides sleep, 35–50 µs
+// when they poll (benchmarks/wakeup_roundtrip.py), and each MoE layer makes one. The polling
+// thread yields its core at every poll (sched_yield), so where the two processes share cores the
+// peer, whose turn it is, still gets them; and the waiting process's OpenMP workers are parked in
+// the same wait rather than left spinning in the OpenMP runtime (wait_readable_parked). It is
+// off unless asked for: polling is CPU time, counted against a container's CPU limit.
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -20,16 +23,13 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 
 #include "ops.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the frames are little-endian, as this host must be");
 
@@ -49,6 +49,10 @@ struct BadFrame : std::runtime_error {  // a frame that does not parse (Python: 
 };
 struct SocketError : std::runtime_error {  // any other failed socket call (Python: OSError)
   using std::runtime_error::runtime_error;
+};
+struct Refused : std::runtime_error {  // the peer answered with an error status (Python: wire.Refused(status, message))
+  Refused(uint32_t status, const std::string& message) : std::runtime_error(message), status(status) {}
+  uint32_t status;
 };
 
 #pragma pack(push, 1)
@@ -76,14 +80,6 @@ using Clock = std::chrono::steady_clock;
   throw SocketError(std::string(what) + ": " + std::strerror(err));
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 // Sleeps in poll(2) until fd is ready for `events`, for up to timeout_ms (-1: no limit).
 void poll_for(int fd, short events, int64_t timeout_ms) {
   pollfd p{fd, events, 0};
@@ -95,8 +91,8 @@ void poll_for(int fd, short events, int64_t timeout_ms) {
   }
 }
 
-// Returns once fd has data (or EOF) to read: polling without sleeping for up to spin_us, then
-// sleeping in poll(2).
+// Returns once fd has data (or EOF) to read: polling without sleeping (yielding the core between
+// polls) for up to spin_us, then sleeping in poll(2).
 void wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
   if (spin_us > 0) {
     const auto until = Clock::now() + std::chrono::microseconds(spin_us);
@@ -104,10 +100,43 @@ void wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
     do {
       if (recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) >= 0) return;  // data, or EOF for the reader to see
       if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) throw_errno("recv");
-      cpu_relax();
+      sched_yield();
     } while (Clock::now() < until);
   }
   poll_for(fd, POLLIN, timeout_ms);
+}
+
+// wait_readable with this thread's OpenMP workers asleep too. GNU OpenMP's idle workers spin for
+// milliseconds after a parallel region (GOMP_SPINCOUNT's 300000 pause loops); a process waiting
+// for its peer on shared cores would keep them spinning on the cores the peer computes on. So the
+// wait is itself a parallel region: thread 0 waits as wait_readable does, every other thread
+// polls a flag for up to spin_us too (yielding its core) and then sleeps in poll(2) on the same
+// socket, which wakes them all when the frame comes. Nothing is read inside the region (poll and MSG_PEEK only), so a worker
+// still polling when thread 0 is done sees the data and leaves. Outside a parallel region and
+// with more than one thread only; otherwise it is wait_readable.
+void wait_readable_parked(int fd, int64_t spin_us, int64_t timeout_ms) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || at::in_parallel_region()) return wait_readable(fd, spin_us, timeout_ms);
+  std::atomic<bool> done{false};
+  std::exception_ptr error;
+  at::parallel_for(0, threads, 1, [&](int64_t i, int64_t) {
+    if (i == 0) {
+      try {
+        wait_readable(fd, spin_us, timeout_ms);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      done.store(true, std::memory_order_release);
+      return;
+    }
+    const auto until = Clock::now() + std::chrono::microseconds(spin_us);
+    while (spin_us > 0 && !done.load(std::memory_order_acquire) && Clock::now() < until) sched_yield();
+    pollfd p{fd, POLLIN, 0};
+    // In slices, so that thread 0's timeout or error (no data ever comes) lets this one out too.
+    while (!done.load(std::memory_order_acquire) && poll(&p, 1, 50) == 0) {
+    }
+  });
+  if (error) std::rethrow_exception(error);
 }
 
 // Exactly n bytes into buf (the socket may be blocking or not: Python sockets with a timeout are
@@ -211,7 +240,7 @@ void send_request(int fd, int64_t layer, const at::Tensor& hidden, const at::Ten
 
 // (layer, hidden [T, H], ids [T, k] int64, weights [T, k] f32) of the next request.
 std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> recv_request(int fd, int64_t spin_us, int64_t timeout_ms) {
-  wait_readable(fd, spin_us, timeout_ms);
+  wait_readable_parked(fd, spin_us, timeout_ms);
   RequestHeader h;
   read_exact(fd, &h, sizeof h, timeout_ms);
   const at::ScalarType dtype = dtype_of(h.dtype);
@@ -247,11 +276,10 @@ void send_response(int fd, int64_t status, const at::Tensor& output, const std::
   write_all(fd, iov, 2, timeout_ms);
 }
 
-// (status, output [T, H] of dtype when OK, the error message's bytes otherwise).
-std::tuple<int64_t, at::Tensor, std::string> recv_response(int fd, at::ScalarType dtype, int64_t tokens, int64_t size,
-                                                            int64_t spin_us, int64_t timeout_ms) {
-  TORCH_CHECK(dtype != at::ScalarType::Undefined, "recv_response: dtype code must be 0 (f32), 1 (bf16) or 2 (f16)");
-  wait_readable(fd, spin_us, timeout_ms);
+// The next response: OK with the output read into `out` (its dtype and shape are what the
+// request sent), or the error status and its message.
+std::pair<uint32_t, std::string> recv_response_into(int fd, at::Tensor& out, int64_t spin_us, int64_t timeout_ms) {
+  wait_readable_parked(fd, spin_us, timeout_ms);
   ResponseHeader h;
   read_exact(fd, &h, sizeof h, timeout_ms);
   if (std::memcmp(h.magic, kResponseMagic, 4) != 0 || h.bytes > kMaxFrameBytes)
@@ -259,14 +287,24 @@ std::tuple<int64_t, at::Tensor, std::string> recv_response(int fd, at::ScalarTyp
   if (h.status != kOk) {
     std::string message(h.bytes, '\0');
     read_exact(fd, message.data(), message.size(), timeout_ms);
-    return {h.status, at::Tensor(), message};
+    return {h.status, message};
   }
-  const uint64_t expected = static_cast<uint64_t>(tokens) * size * c10::elementSize(dtype);
+  const uint64_t expected = static_cast<uint64_t>(out.numel()) * out.element_size();
   if (h.bytes != expected)
     throw BadFrame("response of " + std::to_string(h.bytes) + " bytes, expected " + std::to_string(expected) + " for [" +
-                   std::to_string(tokens) + ", " + std::to_string(size) + "] " + c10::toString(dtype));
-  at::Tensor out = at::empty({tokens, size}, at::TensorOptions().dtype(dtype));
+                   std::to_string(out.size(0)) + ", " + std::to_string(out.size(1)) + "] " +
+                   c10::toString(out.scalar_type()));
   read_exact(fd, out.data_ptr(), expected, timeout_ms);
+  return {kOk, std::string()};
+}
+
+// (status, output [T, H] of dtype when OK, the error message's bytes otherwise).
+std::tuple<int64_t, at::Tensor, std::string> recv_response(int fd, at::ScalarType dtype, int64_t tokens, int64_t size,
+                                                            int64_t spin_us, int64_t timeout_ms) {
+  TORCH_CHECK(dtype != at::ScalarType::Undefined, "recv_response: dtype code must be 0 (f32), 1 (bf16) or 2 (f16)");
+  at::Tensor out = at::empty({tokens, size}, at::TensorOptions().dtype(dtype));
+  auto [status, message] = recv_response_into(fd, out, spin_us, timeout_ms);
+  if (status != kOk) return {status, at::Tensor(), message};
   return {kOk, out, std::string()};
 }
 
@@ -360,7 +398,18 @@ class ExpertServer {
   std::atomic<int64_t> served_{0};
 };
 
+PyObject* refused_type = nullptr;  // wire.Refused, made by bind_data_plane
+
 }  // namespace
+
+void remote_experts(int fd, int64_t layer, const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
+                    at::Tensor& out, int64_t spin_us, int64_t timeout_ms) {
+  TORCH_CHECK(out.sizes() == hidden.sizes() && out.scalar_type() == hidden.scalar_type() && out.is_contiguous(),
+              "remote_experts: out must be contiguous and of hidden's shape and dtype");
+  send_request(fd, layer, hidden, ids, weights, timeout_ms);
+  auto [status, message] = recv_response_into(fd, out, spin_us, timeout_ms);
+  if (status != kOk) throw Refused(status, message);
+}
 
 void bind_data_plane(py::module& m) {
   py::module w = m.def_submodule("wire", "the experts data plane's frames (tandem.rpc.expert_wire), without the GIL");
@@ -368,6 +417,16 @@ void bind_data_plane(py::module& m) {
   py::register_exception<TimedOut>(w, "TimedOut", PyExc_TimeoutError);
   py::register_exception<BadFrame>(w, "BadFrame", PyExc_RuntimeError);
   py::register_exception<SocketError>(w, "SocketError", PyExc_OSError);
+  // Refused carries the status: args (status, message). The class lives as long as the module.
+  refused_type = py::exception<Refused>(w, "Refused", PyExc_RuntimeError).release().ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Refused& e) {
+      PyErr_SetObject(refused_type,
+                      py::make_tuple(e.status, py::bytes(e.what()).attr("decode")("utf-8", "replace")).ptr());
+    }
+  });
   using nogil = py::call_guard<py::gil_scoped_release>;
   w.def("send_request", &send_request, py::arg("fd"), py::arg("layer"), py::arg("hidden"), py::arg("ids"),
         py::arg("weights"), py::arg("timeout_ms"), nogil());

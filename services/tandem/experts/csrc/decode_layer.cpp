@@ -11,9 +11,11 @@
 //
 // Scope: grouped-query attention with rotate-half RoPE (Llama, Mixtral, Qwen2/3-MoE without
 // a shared expert), float32 activations and KV, dense weights f32 or int8, experts in any
-// kind moe_forward takes. `attention` stops at the router, for experts that live elsewhere
-// (the split deployment's experts process): the caller sends its outputs to them. tandem/model/native_decode.py decides when a step qualifies and
-// otherwise the model runs its torch path.
+// kind moe_forward takes. Experts that live in the split deployment's experts process are
+// either called from here over the data plane (`decode_layers` with a connection), or
+// `attention` stops at the router and the caller sends its outputs to them.
+// tandem/model/native_decode.py decides when a step qualifies and otherwise the model runs its
+// torch path.
 
 #include <pybind11/pybind11.h>
 #include <torch/extension.h>
@@ -175,6 +177,12 @@ struct PhaseClock {
 
 }  // namespace
 
+// A connection to the experts process's data plane (tandem.rpc.expert_wire): the socket, how
+// long to poll for each answer before sleeping, and the socket's timeout (-1: none).
+struct DataPlane {
+  int64_t fd = -1, spin_us = 0, timeout_ms = -1;
+};
+
 struct DecodeLayer {
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
   double eps = 1e-6, scale = 1.0;
@@ -185,6 +193,7 @@ struct DecodeLayer {
   bool normalize = true;
   int64_t expert_kind = 0, group = 32;
   at::Tensor gate_up, gate_up_scale, gate_up_min, down, down_scale, down_min;
+  int64_t layer = 0;  // the model's layer index: the data plane's frames name it
 
   // Everything the layer holds, checked once (the Python side calls this after filling it in).
   void check() const {
@@ -237,16 +246,30 @@ struct DecodeLayer {
                                          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                          int64_t sliding_window) const {
-    TORCH_CHECK(gate_up.defined() && down.defined(), "DecodeLayer.forward: this layer holds no experts");
+    return forward_with(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window, nullptr);
+  }
+
+  // `forward` with the experts in this process (remote null) or in the experts process, over
+  // the data plane (the seconds are then the round trip's).
+  std::tuple<double, at::Tensor> forward_with(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                              at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                              int64_t sliding_window, const DataPlane* remote) const {
+    TORCH_CHECK(remote != nullptr || (gate_up.defined() && down.defined()),
+                "DecodeLayer.forward: this layer holds no experts");
     PhaseClock clock;
     auto [h, ids, wts] = run_attention(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window, clock);
     const int64_t T = x.size(0);
     if (T == 0) return {0.0, ids};
     at::Tensor out = at::empty_like(h);
-    at::Tensor scratch = at::empty({T * top_k * (gate_up.size(1) / 2)}, h.options());
     const auto start = std::chrono::steady_clock::now();
-    moe_forward(h, ids, wts, expert_kind, group, gate_up, gate_up_scale, gate_up_min, down, down_scale, down_min, out,
-                scratch);
+    if (remote != nullptr) {
+      remote_experts(remote->fd, layer, h, ids, wts, out, remote->spin_us, remote->timeout_ms);
+    } else {
+      at::Tensor scratch = at::empty({T * top_k * (gate_up.size(1) / 2)}, h.options());
+      moe_forward(h, ids, wts, expert_kind, group, gate_up, gate_up_scale, gate_up_min, down, down_scale, down_min,
+                  out, scratch);
+    }
     const double expert_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     add_(x, out);
     clock.mark(kExperts);
@@ -335,15 +358,19 @@ at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& weight, double ep
 }
 
 // One decode step through all the layers, in one call from Python: each layer's `forward` in
-// turn (its experts in this process), then the final RMSNorm. A step's Python between the layers
-// (argument tuples, one pybind call and its GIL round trip per layer) runs on caches the weights
-// have just flushed. caches: layer i's K and V. Returns the final hidden states [T, hidden] and,
-// per layer, the experts' seconds and ids (for the callers' metrics).
+// turn, then the final RMSNorm. A step's Python between the layers (argument tuples, one pybind
+// call and its GIL round trip per layer) runs on caches the weights have just flushed. The
+// experts are in this process (data_fd -1: every layer holds its own) or in the experts process,
+// called over the data plane connection data_fd (the split deployment). caches: layer i's K and
+// V. Returns the final hidden states [T, hidden] and, per layer, the experts' seconds and ids
+// (for the callers' metrics).
 std::tuple<at::Tensor, std::vector<double>, std::vector<at::Tensor>> decode_layers(
     const std::vector<const DecodeLayer*>& layers, at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
     std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches, const at::Tensor& slots,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t sliding_window, const at::Tensor& final_norm,
-    double final_eps) {
+    double final_eps, int64_t data_fd, int64_t spin_us, int64_t timeout_ms) {
+  const DataPlane plane{data_fd, spin_us, timeout_ms};
+  const DataPlane* remote = data_fd >= 0 ? &plane : nullptr;
   TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
               "decode_layers: ", layers.size(), " layers but ", k_caches.size(), " K and ", v_caches.size(),
               " V caches");
@@ -354,7 +381,8 @@ std::tuple<at::Tensor, std::vector<double>, std::vector<at::Tensor>> decode_laye
   for (size_t i = 0; i < layers.size(); ++i) {
     TORCH_CHECK(layers[i] != nullptr, "decode_layers: layer ", i, " is None");
     auto [s, layer_ids] =
-        layers[i]->forward(x, cos, sin, k_caches[i], v_caches[i], slots, block_tables, seq_lens, sliding_window);
+        layers[i]->forward_with(x, cos, sin, k_caches[i], v_caches[i], slots, block_tables, seq_lens, sliding_window,
+                                remote);
     seconds.push_back(s);
     ids.push_back(std::move(layer_ids));
   }
@@ -387,7 +415,8 @@ void bind_decode_layer(pybind11::module& m) {
         "(hidden [T, hidden], expert seconds per layer, expert ids per layer)",
         py::arg("layers"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"),
         py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("sliding_window"),
-        py::arg("final_norm"), py::arg("final_eps"), py::call_guard<py::gil_scoped_release>());
+        py::arg("final_norm"), py::arg("final_eps"), py::arg("data_fd") = -1, py::arg("spin_us") = 0,
+        py::arg("timeout_ms") = -1, py::call_guard<py::gil_scoped_release>());
   py::class_<Dense>(m, "Dense", "a dense projection for DecodeLayer: kind 0 f32, kind 2 int8 rows")
       .def(py::init<>())
       .def_readwrite("kind", &Dense::kind)
@@ -421,6 +450,7 @@ void bind_decode_layer(pybind11::module& m) {
       .def_readwrite("down", &DecodeLayer::down)
       .def_readwrite("down_scale", &DecodeLayer::down_scale)
       .def_readwrite("down_min", &DecodeLayer::down_min)
+      .def_readwrite("layer", &DecodeLayer::layer)
       .def("check", &DecodeLayer::check)
       .def("attention", &DecodeLayer::attention, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),

@@ -26,6 +26,14 @@ void paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                 int64_t sliding_window, at::Tensor& out);
 
+// The routed experts of one MoE layer computed by the experts process over the data plane's
+// connection fd (data_plane.cpp): sends hidden [T, H] f32, ids [T, k] int64 and weights [T, k]
+// f32 as one request frame and reads the answer into out [T, H]. Throws the `wire` module's
+// exceptions: Refused (the peer answered with an error status), Closed, TimedOut, SocketError,
+// BadFrame (the connection is then out of step).
+void remote_experts(int fd, int64_t layer, const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
+                    at::Tensor& out, int64_t spin_us, int64_t timeout_ms);
+
 // Registers the DecodeLayer class on the extension module.
 void bind_decode_layer(pybind11::module& m);
 
