@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import re
@@ -32,6 +33,15 @@ async def wait_health(address: str, status, service: str = "", timeout_s: float 
                 call.cancel()
                 return
     raise AssertionError(f"health watch ended before {service or 'server'} reported {status}")
+
+
+async def eventually(read, expected, timeout_s: float = 10.0):
+    """read() once it returns `expected`, or its last value after timeout_s: for what a server
+    records just after it answers (its expert-call metrics)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (value := read()) != expected and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    return value
 
 
 async def generate(address: str, request: inference_pb2.GenerateRequest, timeout_s: float = 60):

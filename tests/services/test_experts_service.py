@@ -10,6 +10,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from svc_helpers import eventually
+
 from tandem import contract
 from tandem.experts.base import ExpertsUnavailable
 from tandem.model.loader import build_expert_executor
@@ -198,7 +200,7 @@ async def test_decode_frames_are_served_natively_and_the_rest_by_python(start_se
     assert torch.equal(await asyncio.to_thread(client.forward, 1, hidden, ids, weights),
                        local.forward(1, hidden, ids, weights))
     assert native_end.served == before_served + 1
-    assert latency_count() == before_count + 1
+    assert await eventually(latency_count, before_count + 1) == before_count + 1
     for tokens, dtype in ((3, torch.bfloat16), (local.prefill_tokens + 1, torch.float32)):  # Python's
         hidden, ids, weights = batch(tokens=tokens, dtype=dtype)
         assert torch.equal(await asyncio.to_thread(client.forward, 0, hidden, ids, weights),
@@ -207,7 +209,7 @@ async def test_decode_frames_are_served_natively_and_the_rest_by_python(start_se
     with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: topk_ids:"):
         await asyncio.to_thread(client.forward, 0, hidden, ids + 8, weights)
     assert native_end.served == before_served + 1  # none of those
-    assert latency_count() == before_count + 3
+    assert await eventually(latency_count, before_count + 3) == before_count + 3
     client.close()
 
 

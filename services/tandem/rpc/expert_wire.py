@@ -126,11 +126,16 @@ def recv_request(sock: socket.socket, spin_us: int = 0) -> tuple[int, torch.Tens
 SERVED, SERVED_FAILING, FOR_PYTHON = 1, 2, 0  # what `serve_native` did with a frame
 
 
+FLUSH_S = 0.05  # the longest `serve_native` answers frames before returning the seconds it has
+
+
 def serve_native(server, sock: socket.socket, spin_us: int = 0) -> tuple:
-    """Reads the next frame into the native `ExpertServer`: (SERVED, seconds of compute),
-    (SERVED_FAILING, message) when the kernel failed and INTERNAL was answered, or
-    (FOR_PYTHON, layer, hidden, ids, weights) for a frame it leaves to the checked Python path."""
-    return _call_native(server.serve_one, sock.fileno(), spin_us, timeout_ms(sock))
+    """Answers frames in the native `ExpertServer` while they are decode frames it holds the
+    layers of and come back to back (within `spin_us` of each answer, for up to FLUSH_S). Returns
+    (SERVED, seconds), (SERVED_FAILING, seconds, message) when the kernel failed and INTERNAL was
+    answered, or (FOR_PYTHON, seconds, layer, hidden, ids, weights) for a frame it leaves to the
+    checked Python path; `seconds` lists the compute time of each frame it answered."""
+    return _call_native(server.serve, sock.fileno(), spin_us, timeout_ms(sock), FLUSH_S)
 
 
 def send_response(sock: socket.socket, status: int, payload: torch.Tensor | str) -> None:

@@ -56,14 +56,15 @@ class DataPlaneServer:
                     if native is None:
                         layer, hidden, ids, weights = wire.recv_request(conn, self.spin_us)
                     else:
-                        served = wire.serve_native(native, conn, self.spin_us)
-                        if served[0] == wire.SERVED:
-                            self.servicer.metrics.expert_call_latency.observe(served[1])
+                        status, seconds, *rest = wire.serve_native(native, conn, self.spin_us)
+                        for s in seconds:
+                            self.servicer.metrics.expert_call_latency.observe(s)
+                        if status == wire.SERVED:
                             continue
-                        if served[0] == wire.SERVED_FAILING:
-                            log.error("native expert forward failed: %s", served[1])
+                        if status == wire.SERVED_FAILING:
+                            log.error("native expert forward failed: %s", rest[0])
                             continue
-                        _, layer, hidden, ids, weights = served
+                        layer, hidden, ids, weights = rest
                 except (ConnectionError, OSError):
                     return  # the client went away
                 try:

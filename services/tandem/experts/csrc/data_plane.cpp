@@ -93,17 +93,18 @@ void poll_for(int fd, short events, int64_t timeout_ms) {
 
 // Returns once fd has data (or EOF) to read: polling without sleeping (yielding the core between
 // polls) for up to spin_us, then sleeping in poll(2).
-void wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
-  if (spin_us > 0) {
-    const auto until = Clock::now() + std::chrono::microseconds(spin_us);
-    char byte;
-    do {
-      if (recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) >= 0) return;  // data, or EOF for the reader to see
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) throw_errno("recv");
-      sched_yield();
-    } while (Clock::now() < until);
-  }
+// With sleep false, returns false instead once the spin ends without data.
+bool wait_readable(int fd, int64_t spin_us, int64_t timeout_ms, bool sleep = true) {
+  const auto until = Clock::now() + std::chrono::microseconds(spin_us);
+  char byte;
+  do {
+    if (recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) >= 0) return true;  // data, or EOF for the reader to see
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) throw_errno("recv");
+    if (spin_us > 0) sched_yield();
+  } while (Clock::now() < until);
+  if (!sleep) return false;
   poll_for(fd, POLLIN, timeout_ms);
+  return true;
 }
 
 // wait_readable with this thread's OpenMP workers asleep too. GNU OpenMP's idle workers spin for
@@ -114,15 +115,16 @@ void wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
 // socket, which wakes them all when the frame comes. Nothing is read inside the region (poll and MSG_PEEK only), so a worker
 // still polling when thread 0 is done sees the data and leaves. Outside a parallel region and
 // with more than one thread only; otherwise it is wait_readable.
-void wait_readable_parked(int fd, int64_t spin_us, int64_t timeout_ms) {
+bool wait_readable_parked(int fd, int64_t spin_us, int64_t timeout_ms, bool sleep = true) {
   const int64_t threads = at::get_num_threads();
-  if (threads <= 1 || at::in_parallel_region()) return wait_readable(fd, spin_us, timeout_ms);
+  if (threads <= 1 || at::in_parallel_region()) return wait_readable(fd, spin_us, timeout_ms, sleep);
   std::atomic<bool> done{false};
+  bool ready = false;
   std::exception_ptr error;
   at::parallel_for(0, threads, 1, [&](int64_t i, int64_t) {
     if (i == 0) {
       try {
-        wait_readable(fd, spin_us, timeout_ms);
+        ready = wait_readable(fd, spin_us, timeout_ms, sleep);
       } catch (...) {
         error = std::current_exception();
       }
@@ -137,6 +139,7 @@ void wait_readable_parked(int fd, int64_t spin_us, int64_t timeout_ms) {
     }
   });
   if (error) std::rethrow_exception(error);
+  return ready;
 }
 
 // Exactly n bytes into buf (the socket may be blocking or not: Python sockets with a timeout are
@@ -327,48 +330,45 @@ class ExpertServer {
   void lock() { mutex_.lock(); }
   void unlock() { mutex_.unlock(); }
 
-  // Reads the next frame and answers it: (1, seconds of compute) when served here, (2, message)
-  // when the kernel failed (answered INTERNAL), or (0, layer, hidden, ids, weights) for Python.
-  py::tuple serve_one(int fd, int64_t spin_us, int64_t timeout_ms) {
+  // Reads frames and answers them until one is not for this end, the kernel fails, or the frames
+  // stop: returns (status, seconds of compute of each frame served, ...): (0, seconds, layer,
+  // hidden, ids, weights) for a frame Python must answer, (2, seconds, message) when the kernel
+  // failed (answered INTERNAL), (1, seconds) otherwise. Frames served back to back stay in here:
+  // returning to Python between them would run the interpreter (and leave the OpenMP workers
+  // spinning) on the cores the peer needs next. So that the caller's metrics stay current, it
+  // returns once no next frame comes within spin_us of an answer, or flush_s after its first.
+  py::tuple serve(int fd, int64_t spin_us, int64_t timeout_ms, double flush_s) {
     std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> request;
-    double seconds = 0.0;
+    std::vector<double> seconds;
     std::string error;
     const Layer* layer = nullptr;
     {
       py::gil_scoped_release nogil;
-      request = recv_request(fd, spin_us, timeout_ms);
-      auto& [index, hidden, ids, weights] = request;
-      layer = servable(index, hidden, ids);
-      if (layer != nullptr) {
-        at::Tensor out = at::empty_like(hidden);
-        {
-          std::lock_guard<std::mutex> hold(mutex_);
-          const int64_t need = ids.numel() * (layer->gu.size(1) / 2);
-          if (!scratch_.defined() || scratch_.numel() < need) scratch_ = at::empty({need}, hidden.options());
-          const auto start = Clock::now();
-          try {
-            moe_forward(hidden, ids, weights, layer->kind, layer->group, layer->gu, layer->gu_scale, layer->gu_min,
-                        layer->dn, layer->dn_scale, layer->dn_min, out, scratch_);
-          } catch (const c10::Error& e) {
-            error = e.what_without_backtrace();
-          } catch (const std::exception& e) {
-            error = e.what();
-          }
-          seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      const auto began = Clock::now();
+      for (;;) {
+        if (!seconds.empty() && (std::chrono::duration<double>(Clock::now() - began).count() >= flush_s ||
+                                 !wait_readable_parked(fd, spin_us, timeout_ms, /*sleep=*/false)))
+          break;
+        try {
+          request = recv_request(fd, spin_us, timeout_ms);
+        } catch (const Closed&) {
+          if (seconds.empty()) throw;
+          break;  // the served frames' seconds first; the next call finds the connection closed
         }
-        if (error.empty())
-          send_response(fd, kOk, out, std::string(), timeout_ms);
-        else
-          send_response(fd, kInternal, at::Tensor(), "native expert forward: " + error, timeout_ms);
-        ++served_;
+        auto& [index, hidden, ids, weights] = request;
+        layer = servable(index, hidden, ids);
+        if (layer == nullptr) break;
+        error = answer(fd, *layer, hidden, ids, weights, timeout_ms, seconds);
+        if (!error.empty()) break;
       }
     }
+    py::list done = py::cast(seconds);
+    if (!error.empty()) return py::make_tuple(2, done, error);
     if (layer == nullptr) {
       auto& [index, hidden, ids, weights] = request;
-      return py::make_tuple(0, index, hidden, ids, weights);
+      return py::make_tuple(0, done, index, hidden, ids, weights);
     }
-    if (!error.empty()) return py::make_tuple(2, error);
-    return py::make_tuple(1, seconds);
+    return py::make_tuple(1, done);
   }
 
   int64_t served() const { return served_.load(); }
@@ -378,6 +378,34 @@ class ExpertServer {
     int64_t kind, group;
     at::Tensor gu, gu_scale, gu_min, dn, dn_scale, dn_min;
   };
+
+  // Computes and answers one frame; appends its compute seconds. Returns the kernel's error ("": none).
+  std::string answer(int fd, const Layer& layer, const at::Tensor& hidden, const at::Tensor& ids,
+                     const at::Tensor& weights, int64_t timeout_ms, std::vector<double>& seconds) {
+    at::Tensor out = at::empty_like(hidden);
+    std::string error;
+    {
+      std::lock_guard<std::mutex> hold(mutex_);
+      const int64_t need = ids.numel() * (layer.gu.size(1) / 2);
+      if (!scratch_.defined() || scratch_.numel() < need) scratch_ = at::empty({need}, hidden.options());
+      const auto start = Clock::now();
+      try {
+        moe_forward(hidden, ids, weights, layer.kind, layer.group, layer.gu, layer.gu_scale, layer.gu_min, layer.dn,
+                    layer.dn_scale, layer.dn_min, out, scratch_);
+      } catch (const c10::Error& e) {
+        error = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    }
+    ++served_;  // before the answer: the peer may look as soon as it has it
+    if (error.empty())
+      send_response(fd, kOk, out, std::string(), timeout_ms);
+    else
+      send_response(fd, kInternal, at::Tensor(), "native expert forward: " + error, timeout_ms);
+    return error;
+  }
 
   const Layer* servable(int64_t index, const at::Tensor& hidden, const at::Tensor& ids) const {
     const auto it = layers_.find(index);
@@ -453,7 +481,8 @@ void bind_data_plane(py::module& m) {
            py::arg("down_scale"), py::arg("down_min"))
       .def("lock", &ExpertServer::lock, nogil())
       .def("unlock", &ExpertServer::unlock)
-      .def("serve_one", &ExpertServer::serve_one, py::arg("fd"), py::arg("spin_us"), py::arg("timeout_ms"))
+      .def("serve", &ExpertServer::serve, py::arg("fd"), py::arg("spin_us"), py::arg("timeout_ms"),
+           py::arg("flush_s"))
       .def_property_readonly("served", &ExpertServer::served);
 }
 
