@@ -130,7 +130,7 @@ class _Layer:
             experts = executor.layers[mlp.layer]
         except (Unsupported, KeyError) as exc:
             self.local = False  # the executor is called with the router's output
-            self.observers = _watched(mlp.executor)[1] if self.remote is not None else []
+            self.observers = _watched(mlp.executor)[1]  # seen only when the step is one call (remote)
             _log.debug("layer %d: experts through the executor: %s", index, exc)
         else:
             self.local, self.max_tokens = True, min(executor.prefill_tokens, DEFAULT_MAX_TOKENS)

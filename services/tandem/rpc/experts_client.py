@@ -101,9 +101,13 @@ class GrpcExpertExecutor:
             self._data.connect(self.data_socket)
         return self._data
 
+    @property
+    def _where(self) -> str:
+        return f"experts data plane at {self.data_socket}"
+
     @contextmanager
     def _data_errors(self):
-        where = f"experts data plane at {self.data_socket}"
+        where = self._where
         try:
             yield
         except BadTensor as exc:  # refused before sending: the connection is still in step
@@ -114,8 +118,7 @@ class GrpcExpertExecutor:
 
     def _refused(self, status: int, message: str) -> Exception:
         """The exception for an error status the experts process answered (the connection stays in step)."""
-        where = f"experts data plane at {self.data_socket}"
-        text = f"{where}: {wire.STATUS_NAMES.get(status, status)}: {message}"
+        text = f"{self._where}: {wire.STATUS_NAMES.get(status, status)}: {message}"
         return ExpertsUnavailable(text) if status == wire.UNAVAILABLE else RuntimeError(text)
 
     def _close_data(self) -> None:

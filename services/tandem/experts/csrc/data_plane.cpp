@@ -112,9 +112,9 @@ bool wait_readable(int fd, int64_t spin_us, int64_t timeout_ms, bool sleep = tru
 // for its peer on shared cores would keep them spinning on the cores the peer computes on. So the
 // wait is itself a parallel region: thread 0 waits as wait_readable does, every other thread
 // polls a flag for up to spin_us too (yielding its core) and then sleeps in poll(2) on the same
-// socket, which wakes them all when the frame comes. Nothing is read inside the region (poll and MSG_PEEK only), so a worker
-// still polling when thread 0 is done sees the data and leaves. Outside a parallel region and
-// with more than one thread only; otherwise it is wait_readable.
+// socket, which wakes them all when the frame comes. Nothing is read inside the region (poll and
+// MSG_PEEK only), so a worker still polling when thread 0 is done sees the data and leaves.
+// Outside a parallel region and with more than one thread only; otherwise it is wait_readable.
 bool wait_readable_parked(int fd, int64_t spin_us, int64_t timeout_ms, bool sleep = true) {
   const int64_t threads = at::get_num_threads();
   if (threads <= 1 || at::in_parallel_region()) return wait_readable(fd, spin_us, timeout_ms, sleep);
@@ -344,9 +344,9 @@ class ExpertServer {
     const Layer* layer = nullptr;
     {
       py::gil_scoped_release nogil;
-      const auto began = Clock::now();
+      Clock::time_point first;  // when the first frame was answered
       for (;;) {
-        if (!seconds.empty() && (std::chrono::duration<double>(Clock::now() - began).count() >= flush_s ||
+        if (!seconds.empty() && (std::chrono::duration<double>(Clock::now() - first).count() >= flush_s ||
                                  !wait_readable_parked(fd, spin_us, timeout_ms, /*sleep=*/false)))
           break;
         try {
@@ -359,6 +359,7 @@ class ExpertServer {
         layer = servable(index, hidden, ids);
         if (layer == nullptr) break;
         error = answer(fd, *layer, hidden, ids, weights, timeout_ms, seconds);
+        if (seconds.size() == 1) first = Clock::now();
         if (!error.empty()) break;
       }
     }
