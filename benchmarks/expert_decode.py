@@ -9,6 +9,7 @@ routing walks every expert before coming back to one, so no step is served from 
     python benchmarks/expert_decode.py --quick         # a small shape, for a smoke run
     python benchmarks/expert_decode.py --json out.json
     python benchmarks/expert_decode.py --kernels native --direct   # the kernel without the executor's Python
+    python benchmarks/expert_decode.py --kernels native --direct --formats int4,int8
 
 Not a test: it prints a table (and optionally JSON) for benchmarks/RESULTS.md.
 """
@@ -128,6 +129,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", default="native,torch")
+    ap.add_argument("--formats", default=",".join(f[0] for f in FORMATS), help="comma-separated: f32,bf16,int8,int4")
     ap.add_argument("--direct", action="store_true", help="native: call the kernel itself, not the executor")
     ap.add_argument("--quick", action="store_true", help="small shapes and few steps: a smoke run")
     ap.add_argument("--json", help="also write the results to this file")
@@ -150,7 +152,7 @@ def main() -> None:
     base = ExpertWeights(torch.randn(e, 2 * i, h, generator=g) / h**0.5, torch.randn(e, h, i, generator=g) / i**0.5)
     rows = []
     print(f"{'format':6} {'kernel':7} {'GB/s':>6} {'roofline':>8} {'ms/layer':>9} {'MB/expert':>9}")
-    for label, dtype, quant in FORMATS:
+    for label, dtype, quant in [f for f in FORMATS if f[0] in args.formats.split(",")]:
         for kernel in args.kernels.split(","):
             ex = build_executor(base, dtype, quant, kernel, int(args.working_set_gib * (1 << 30)), args.threads)
             if ex.kernel != kernel:

@@ -286,3 +286,32 @@ def test_four_stream_walk_covers_every_remainder(kernel_module, h, i, dtype, qua
                 assert_kernel_close(ex.forward(0, hidden, ids, weights), want, quant, isa=isa)
     finally:
         kernel_module.set_isa(before)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_silu_of_large_gate_values_on_every_instruction_set(kernel_module, tokens):
+    # The SIMD kernels compute silu(gate) * up with their own exp, 16 or 8 activations at a time
+    # (a scalar std::exp for the rest). Gate values out to +-200 reach its clamps: e^x overflows
+    # float32 past 88.7, and silu must still be ~x for large x and ~0 for very negative x.
+    # I = 67 leaves odd halves and runs of the 16-row batches that end early.
+    g = torch.Generator().manual_seed(11)
+    h, i = 64, 67
+    gate_up = torch.randn(4, 2 * i, h, generator=g) / h**0.5
+    gate_up[:, :i] *= 40  # gate rows: pre-activations of tens to hundreds
+    w = {0: ExpertWeights(gate_up, torch.randn(4, h, i, generator=g) / i**0.5)}
+    ex = CpuExpertExecutor(w, quant="none", kernel="native", threads=2)
+    hidden = torch.randn(tokens, h, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    gate = torch.einsum("th,eih->tei", hidden, gate_up[:, :i])
+    assert gate.abs().max() > 100 and (gate < -90).any() and (gate > 90).any()
+    want = dequantized_reference(ex, 0).forward(0, hidden, ids, weights)
+    before = kernel_module.isa()
+    try:
+        for isa in kernel_module.supported_isas():
+            kernel_module.set_isa(isa)
+            got = ex.forward(0, hidden, ids, weights)
+            assert torch.isfinite(got).all(), isa
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=isa)
+    finally:
+        kernel_module.set_isa(before)

@@ -6,6 +6,13 @@
 // batch whose tokens share an expert streams that expert's weights from RAM once.
 // Needs: TANDEM_WIDE (1 for 512-bit vectors), <immintrin.h>, <cstdint>, and Mat from moe_cpu.cpp.
 
+// (sum a, sum b, sum c, sum d) of four 8-float vectors: three horizontal adds and one lane add,
+// against four full reductions.
+static inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // [a b c d] x 2 halves
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 #if TANDEM_WIDE
 struct V {
   using T = __m512;
@@ -17,6 +24,23 @@ struct V {
   static inline T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
   static inline float sum(T a) { return _mm512_reduce_add_ps(a); }
+  // the four sums of a, b, c and d in one vector: halves added down to 256 bits, then as AVX2
+  static inline __m128 sum4(T a, T b, T c, T d) {
+    return sum4_256(half_sum(a), half_sum(b), half_sum(c), half_sum(d));
+  }
+  static inline __m256 half_sum(T a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+  static inline T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static inline T div(T a, T b) { return _mm512_div_ps(a, b); }
+  static inline T min(T a, T b) { return _mm512_min_ps(a, b); }
+  static inline T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static inline T floor(T a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  // 2^n for whole n in [-127, 128] (the exponent field built directly)
+  static inline T pow2(T n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static inline void store(float* p, T v) { _mm512_storeu_ps(p, v); }
   static inline T load_bf16(const uint16_t* p) {
     __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
@@ -89,6 +113,16 @@ struct V {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  static inline __m128 sum4(T a, T b, T c, T d) { return sum4_256(a, b, c, d); }
+  static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static inline T div(T a, T b) { return _mm256_div_ps(a, b); }
+  static inline T min(T a, T b) { return _mm256_min_ps(a, b); }
+  static inline T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static inline T floor(T a) { return _mm256_floor_ps(a); }
+  static inline T pow2(T n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static inline void store(float* p, T v) { _mm256_storeu_ps(p, v); }
   static inline T load_bf16(const uint16_t* p) {
     __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
@@ -241,6 +275,35 @@ static inline float dot_f16(const uint16_t* a, const float* b, int64_t n) {
   float r = V::sum(acc);
   for (; i < n; ++i) r += half_to_float(a[i]) * b[i];
   return r;
+}
+
+// e^x, Cephes' expf as in avx_mathfun: x clamped to [-88.38, 88.38], e^x = 2^n e^r with
+// |r| <= ln 2 / 2 (ln 2 in two parts) and e^r a degree-7 polynomial; within 2 ulp of std::exp.
+static inline T vexp(T x) {
+  x = V::min(V::max(x, V::set1(-88.3762626647949f)), V::set1(88.3762626647949f));
+  const T n = V::floor(V::fma(x, V::set1(1.44269504088896341f), V::set1(0.5f)));
+  T r = V::fma(n, V::set1(-0.693359375f), x);
+  r = V::fma(n, V::set1(2.12194440e-4f), r);
+  T y = V::set1(1.9875691500e-4f);
+  y = V::fma(y, r, V::set1(1.3981999507e-3f));
+  y = V::fma(y, r, V::set1(8.3334519073e-3f));
+  y = V::fma(y, r, V::set1(4.1665795894e-2f));
+  y = V::fma(y, r, V::set1(1.6666665459e-1f));
+  y = V::fma(y, r, V::set1(5.0000001201e-1f));
+  y = V::fma(y, V::mul(r, r), V::add(r, V::set1(1.f)));
+  return V::mul(y, V::pow2(n));
+}
+
+// out[i] = silu(g[i]) * u[i]: the experts' activation, W at a time (a scalar std::exp per
+// element costs as much as streaming a gate_up row pair of K = 1024 from RAM).
+static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const T gv = V::load(g + i);
+    const T silu = V::div(gv, V::add(V::set1(1.f), vexp(V::sub(V::zero(), gv))));
+    V::store(out + i, V::mul(silu, V::load(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
 constexpr int kSuper = V::kSuper;
@@ -479,12 +542,14 @@ static void dot_dense4(const typename L::E* const* w, int64_t K, const float* co
       for (int r = 0; r < 4; ++r) acc[r][t] = V::fma(v[r], xv, acc[r][t]);
     }
   }
-  for (int r = 0; r < 4; ++r)
-    for (int t = 0; t < NT; ++t) {
-      float s = V::sum(acc[r][t]);
-      for (int64_t j = k; j < K; ++j) s += L::scalar(w[r][j]) * x[t][j];
-      res[r * NT + t] = s;
+  for (int t = 0; t < NT; ++t) {
+    float s[4];
+    _mm_storeu_ps(s, V::sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+    for (int r = 0; r < 4; ++r) {
+      for (int64_t j = k; j < K; ++j) s[r] += L::scalar(w[r][j]) * x[t][j];
+      res[r * NT + t] = s[r];
     }
+  }
 }
 
 // res[r * NT + t] = int8 row w[r] times Q8 activations a[t] (see dot_int8), for 4 rows.
@@ -503,10 +568,11 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
       for (int r = 0; r < 4; ++r) acc[r][t] = V::fma(V::cvt(V::dot_i8_q8(w[r] + i * V::kI8, q)), de, acc[r][t]);
     }
   }
-  for (int r = 0; r < 4; ++r)
-    for (int t = 0; t < NT; ++t) {
-      res[r * NT + t] = int8_tail(V::sum(acc[r][t]) - a[t].c, w[r], steps * V::kI8 / 32, K, a[t]);
-    }
+  for (int t = 0; t < NT; ++t) {
+    float s[4];
+    _mm_storeu_ps(s, V::sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+    for (int r = 0; r < 4; ++r) res[r * NT + t] = int8_tail(s[r] - a[t].c, w[r], steps * V::kI8 / 32, K, a[t]);
+  }
 }
 
 // res[r * NT + t] = int4 row w[r] (group scales scale[r], minimums mn[r]) times Q8 activations
@@ -535,11 +601,21 @@ static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, co
       }
     }
   }
-  for (int r = 0; r < 4; ++r)
+  // The minimum term, sum_g min_g xs_g, goes into the same accumulators: one reduction per row.
+  const int64_t groups = K / group, gv = groups / W * W;
+  for (int64_t i = 0; i < gv; i += W)
     for (int t = 0; t < NT; ++t) {
-      res[r * NT + t] = int4_tail(V::sum(acc[r][t]), w[r], scale[r], supers * kSuper, blocks, per_group, a[t]) +
-                        dot_f16(mn[r], a[t].xs, K / group);
+      const T xs = V::load(a[t].xs + i);
+      for (int r = 0; r < 4; ++r) acc[r][t] = V::fma(V::load_f16(mn[r] + i), xs, acc[r][t]);
     }
+  for (int t = 0; t < NT; ++t) {
+    float s[4];
+    _mm_storeu_ps(s, V::sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+    for (int r = 0; r < 4; ++r) {
+      for (int64_t g = gv; g < groups; ++g) s[r] += half_to_float(mn[r][g]) * a[t].xs[g];
+      res[r * NT + t] = int4_tail(s[r], w[r], scale[r], supers * kSuper, blocks, per_group, a[t]);
+    }
+  }
 }
 
 // w[r] = the weights of row refs[r], `stride` elements of E a row (int4: K / 2 bytes).

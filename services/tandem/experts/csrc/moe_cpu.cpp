@@ -115,11 +115,16 @@ static void row_dot2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const 
 static void row_dot4(const RowRef* refs, const Act* a, int64_t n, float* const* res) {
   for (int r = 0; r < 4; ++r) row_dot(*refs[r].m, refs[r].e, refs[r].row, a, n, res[r]);
 }
+
+static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
 }  // namespace scalar
 
 using RowDot = void (*)(const Mat&, int64_t, int64_t, const Act*, int64_t, float*);
 using RowDot2 = void (*)(const Mat&, int64_t, int64_t, int64_t, const Act*, int64_t, float*, float*);
 using RowDot4 = void (*)(const RowRef*, const Act*, int64_t, float* const*);
+using SiluMul = void (*)(const float*, const float*, float*, int64_t);
 using QuantizeAct = void (*)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*, float*, float*);
 
 static std::string detect_isa() {
@@ -166,6 +171,12 @@ static RowDot4 row_dot4_for_isa() {
   if (g_isa == "avx512") return avx512::row_dot4;
   if (g_isa == "avx2") return avx2::row_dot4;
   return scalar::row_dot4;
+}
+
+static SiluMul silu_mul_for_isa() {
+  if (g_isa == "avx512") return avx512::silu_mul;
+  if (g_isa == "avx2") return avx2::silu_mul;
+  return scalar::silu_mul;
 }
 
 // nullptr for the scalar kernels, which compute int4 rows on the f32 activations.
@@ -301,31 +312,45 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
 
   // gate_up: rows j and I + j of each active expert give activation j of its tokens. A thread
   // takes its rows one expert at a time and walks the two halves of them in lockstep: four
-  // weight streams (see row_dot4).
+  // weight streams (see row_dot4). The results of kRun row pairs are kept, then go through
+  // SiLU together, a vector at a time.
+  const SiluMul silu_mul = silu_mul_for_isa();
+  constexpr int64_t kRun = 16;
   at::parallel_for(0, na * I, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(4 * most);
-    float* gate[2] = {buf.data(), buf.data() + 2 * most};
-    float* up[2] = {buf.data() + most, buf.data() + 3 * most};
+    // [4][kRun][most]: gate and up of the first half's rows, then of the second half's
+    std::vector<float> buf(4 * kRun * most), g(kRun), u(kRun);
+    float* const part[4] = {buf.data(), buf.data() + kRun * most, buf.data() + 2 * kRun * most,
+                            buf.data() + 3 * kRun * most};
     for (int64_t s0 = r0; s0 < r1;) {
       const int64_t ai = s0 / I, s1 = std::min(r1, (ai + 1) * I);
       const int64_t e = active[ai], b = begin[e], c = begin[e + 1] - b;
       const Act* rows = x_rows.rows.data() + b;
       const int64_t j0 = s0 - ai * I, len = s1 - s0, half = (len + 1) / 2;
-      auto finish = [&](int64_t j, const float* g, const float* u) {
-        for (int64_t s = 0; s < c; ++s) act[(b + s) * I + j] = g[s] / (1.f + std::exp(-g[s])) * u[s];
+      // activations j .. j + m of every token from kept rows 0 .. m of part[p] (gate), part[p + 1] (up)
+      auto finish = [&](int p, int64_t j, int64_t m) {
+        for (int64_t s = 0; s < c; ++s) {
+          for (int64_t i = 0; i < m; ++i) {
+            g[i] = part[p][i * most + s];
+            u[i] = part[p + 1][i * most + s];
+          }
+          silu_mul(g.data(), u.data(), act + (b + s) * I + j, m);
+        }
       };
       for (int64_t i = 0; i < len - half; ++i) {
-        const int64_t ja = j0 + i, jb = j0 + half + i;
+        const int64_t ja = j0 + i, jb = j0 + half + i, kept = i % kRun;
         const RowRef refs[4] = {{&gum, e, ja}, {&gum, e, I + ja}, {&gum, e, jb}, {&gum, e, I + jb}};
-        float* const res[4] = {gate[0], up[0], gate[1], up[1]};
+        float* const res[4] = {part[0] + kept * most, part[1] + kept * most, part[2] + kept * most,
+                               part[3] + kept * most};
         row_dot4(refs, rows, c, res);
-        finish(ja, gate[0], up[0]);
-        finish(jb, gate[1], up[1]);
+        if (kept == kRun - 1 || i == len - half - 1) {
+          finish(0, ja - kept, kept + 1);
+          finish(2, jb - kept, kept + 1);
+        }
       }
       if (len % 2) {  // the first half's last row has no partner
         const int64_t j = j0 + half - 1;
-        row_dot2(gum, e, j, I + j, rows, c, gate[0], up[0]);
-        finish(j, gate[0], up[0]);
+        row_dot2(gum, e, j, I + j, rows, c, part[0], part[1]);
+        finish(0, j, 1);
       }
       s0 = s1;
     }
