@@ -83,7 +83,9 @@ def expert_bytes(engine) -> dict[int, int]:
 
 
 def run_requests(engine, prompts: list[list[int]], gen_len: int) -> dict:
-    """Run prompts concurrently; per request: time to first token and inter-token gaps."""
+    """Run prompts concurrently; per request: time to first token and inter-token gaps. An output
+    of several tokens (a multi-step decode's run, --num-scheduler-steps) counts its gap once per
+    token, spread evenly over them: the gaps add up to the decode time, one gap a token."""
     from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
@@ -100,9 +102,9 @@ def run_requests(engine, prompts: list[list[int]], gen_len: int) -> dict:
                 continue
             generated += len(out.new_token_ids)
             if out.request_id not in last:
-                ttft.append(now - start)
+                ttft.append(now - start)  # a prefill step samples one token
             else:
-                itl.append(now - last[out.request_id])
+                itl.extend([(now - last[out.request_id]) / len(out.new_token_ids)] * len(out.new_token_ids))
             last[out.request_id] = now
     return {"wall_s": time.perf_counter() - start, "ttft": ttft, "itl": itl, "generated": generated}
 

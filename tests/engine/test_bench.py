@@ -97,3 +97,15 @@ def test_split_bench_pins_cores_passes_quant_and_compares_with_embedded(demo_mod
     assert report["split_vs_embedded_decode"] == report["decode_tok_s"] / report["embedded"]["decode_tok_s"]
     assert "x embedded" in err
     assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads  # restored
+
+
+def test_multi_step_runs_count_one_gap_per_token(demo_model_dir):
+    from tandem.engine.llm_engine import EngineConfig, LLMEngine
+    from tandem.engine_bench import run_requests
+
+    engine = LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu", dtype="float32",
+                                       config=EngineConfig(num_scheduler_steps=4))
+    run = run_requests(engine, [[5, 6, 7, 8]], 9)  # the prefill's token, then runs of 4 and 4
+    assert run["generated"] == 9 and len(run["ttft"]) == 1
+    assert len(run["itl"]) == 8 and run["itl"][:4] == [run["itl"][0]] * 4 and run["itl"][4:] == [run["itl"][4]] * 4
+    assert run["ttft"][0] + sum(run["itl"]) <= run["wall_s"]

@@ -1,4 +1,4 @@
-"""The engine end to end on a tiny checkpoint: tiers, preemption, prefix cache, cancel, stops, seeds."""
+"""The engine end to end on a tiny checkpoint: tiers, preemption, prefix cache, cancel, stops, seeds, multi-step decode."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import InvalidRequest, SamplingParams
 from tandem.engine.scheduler import QueueFull
+from tandem.experts.base import ExpertsUnavailable
 from tandem.kv.cache import CPU, DEVICE
 from tier_probe import count_tier_traffic
 
@@ -163,8 +164,6 @@ def test_waiting_queue_limit(model_dir):
 
 
 def test_experts_unavailable_keeps_the_step_pending_and_loses_nothing(model_dir):
-    from tandem.experts.base import ExpertsUnavailable
-
     reference = [c.token_ids for c in engine(model_dir).generate(prompts(2), GREEDY)]
     e = engine(model_dir)
     executor = e.model.model.layers[0].mlp.executor
@@ -198,3 +197,128 @@ def test_a_failed_forward_pass_finishes_its_requests_with_error_and_frees_blocks
     [out] = e.step()
     assert out.finished and out.finish_reason == "error"
     assert not e.has_unfinished_requests() and e.stats().kv_blocks_used[DEVICE] == 0
+
+
+# Multi-step decode (`num_scheduler_steps`): several decode tokens per engine step, each sampled
+# token fed to the next forward pass. The tokens must be the single-step engine's, token for
+# token, whatever stops a sequence inside a run; KV blocks come back; an outage loses nothing.
+
+
+def run(e: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
+    """Step to the end; (tokens, text, finish reason) per request, and the tokens each step returned."""
+    for rid, (prompt, params) in requests.items():
+        e.add_request(rid, prompt, params)
+    got = {rid: ([], [], None) for rid in requests}
+    per_step = []
+    while e.has_unfinished_requests():
+        outputs = e.step()
+        per_step.append({o.request_id: len(o.new_token_ids) for o in outputs})
+        for o in outputs:
+            tokens, texts, _ = got[o.request_id]
+            tokens.extend(o.new_token_ids)
+            texts.append(o.text)
+            got[o.request_id] = (tokens, texts, o.finish_reason)
+    return {rid: (t, "".join(x), r) for rid, (t, x, r) in got.items()}, per_step
+
+
+MIXED = [
+    GREEDY,
+    SamplingParams(max_tokens=19, temperature=0.8, top_p=0.9, seed=3),  # cut short by max_tokens mid-run
+    SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=7, temperature=1.0, top_k=5, seed=9, ignore_eos=True),
+]
+
+
+def test_multi_step_decode_gives_the_single_step_tokens(model_dir):
+    requests = {f"r{i}": (p, params) for i, (p, params) in enumerate(zip(prompts(4), MIXED))}
+    want, single_steps = run(engine(model_dir), requests)
+    e = engine(model_dir, num_scheduler_steps=4)
+    got, steps = run(e, requests)
+    assert got == want
+    # the decodes came four tokens a step (fewer where max_tokens cut the run), in fewer steps
+    assert max(n for step in steps for n in step.values()) == 4
+    assert len(steps) < len(single_steps) / 2
+    stats = e.stats()
+    assert stats.kv_blocks_used[DEVICE] == 0 and stats.num_running == 0
+
+
+def test_a_stop_token_inside_a_run_drops_the_tokens_after_it(model_dir):
+    e = engine(model_dir)
+    free, _ = run(e, {"a": (prompts(1)[0], GREEDY)})
+    tokens = free["a"][0]
+    stop_id = tokens[5]  # the 6th token: inside the second run of four
+    cut = tokens.index(stop_id) + 1
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_id,))
+    e = engine(model_dir, num_scheduler_steps=4)
+    got, _ = run(e, {"a": (prompts(1)[0], params)})
+    assert got["a"][0] == tokens[:cut] and got["a"][2] == "stop"
+    assert e.stats().kv_blocks_used[DEVICE] == 0
+
+
+def test_a_stop_string_inside_a_run_drops_the_tokens_after_it(model_dir):
+    requests = {"a": (prompts(1)[0], GREEDY)}
+    free, _ = run(engine(model_dir), requests)
+    text = free["a"][1]
+    stop = text[5:8]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,))
+    want, _ = run(engine(model_dir), {"a": (prompts(1)[0], params)})
+    got, _ = run(engine(model_dir, num_scheduler_steps=4), {"a": (prompts(1)[0], params)})
+    assert got == want
+    assert got["a"][2] == "stop" and got["a"][1] == text[: text.index(stop)]
+    assert len(got["a"][0]) < len(free["a"][0])
+
+
+def test_new_requests_are_prefilled_without_waiting_for_a_run(model_dir):
+    # Multi-step runs only while nothing waits: a request added mid-decode is prefilled next step.
+    reference, _ = run(engine(model_dir), {"a": (prompts(1)[0], GREEDY), "b": (prompts(2)[1], GREEDY)})
+    e = engine(model_dir, num_scheduler_steps=8)
+    e.add_request("a", prompts(1)[0], GREEDY)
+    tokens = {"a": [], "b": []}
+    for expect in ({"a": 1}, {"a": 8}):  # the prefill's token, then a run of 8
+        outputs = e.step()
+        assert {o.request_id: len(o.new_token_ids) for o in outputs} == expect
+        tokens["a"] += outputs[0].new_token_ids
+    e.add_request("b", prompts(2)[1], GREEDY)
+    outputs = e.step()
+    assert {o.request_id: len(o.new_token_ids) for o in outputs} == {"a": 1, "b": 1}  # a's decode, b's prefill
+    for o in outputs:
+        tokens[o.request_id] += o.new_token_ids
+    while e.has_unfinished_requests():
+        for o in e.step():
+            tokens[o.request_id] += o.new_token_ids
+    assert tokens == {rid: reference[rid][0] for rid in "ab"}
+    assert e.stats().kv_blocks_used[DEVICE] == 0
+
+
+def test_experts_unavailable_inside_a_run_keeps_the_tokens_so_far(model_dir):
+    reference, _ = run(engine(model_dir), {"a": (prompts(1)[0], GREEDY), "b": (prompts(2)[1], GREEDY)})
+    e = engine(model_dir, num_scheduler_steps=4)
+    executor = e.model.model.layers[0].mlp.executor
+    real, calls = executor.forward, [0]
+    # One executor serves both layers: two calls a forward pass. Calls 1-2: both prefills; 3-4: a
+    # run's first step; 5: its second (down: the run keeps one token); 6: the next run's first
+    # step (down: the step raises and stays pending); 7 on: its retry.
+    down = {5, 6}
+
+    def flaky(*args):
+        calls[0] += 1
+        if calls[0] in down:
+            raise ExpertsUnavailable("experts process is down")
+        return real(*args)
+
+    executor.forward = flaky
+    for rid, prompt in (("a", prompts(1)[0]), ("b", prompts(2)[1])):
+        e.add_request(rid, prompt, GREEDY)
+    tokens, raised, sizes = {"a": [], "b": []}, [], []
+    while e.has_unfinished_requests():
+        try:
+            outputs = e.step()
+        except ExpertsUnavailable:
+            raised.append(len(sizes))
+            continue
+        sizes.append([len(o.new_token_ids) for o in outputs])
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert sizes[:3] == [[1, 1], [1, 1], [4, 4]] and raised == [2]
+    assert tokens == {rid: reference[rid][0] for rid in "ab"}
+    assert e.stats().kv_blocks_used[DEVICE] == 0

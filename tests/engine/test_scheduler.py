@@ -452,3 +452,57 @@ def test_a_missing_sampled_token_is_an_error():
     out = sched.schedule()
     with pytest.raises(KeyError, match="'a'"):
         sched.update(out, {})
+
+
+# Multi-step decode (num_scheduler_steps): runs of decode steps and their slots.
+
+
+def scheduler(steps: int, blocks: int = 64, max_model_len: int = 64) -> tuple[Scheduler, KVBlockManager]:
+    bm = KVBlockManager(blocks, 0, 4, enable_prefix_caching=True)
+    return Scheduler(SchedulerConfig(max_model_len=max_model_len, num_scheduler_steps=steps), bm, {0}), bm
+
+
+def prefilled(s: Scheduler, rid: str, prompt_len: int = 6, **params) -> Sequence:
+    seq = Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams(temperature=0.0, **params))
+    s.add(seq)
+    out = s.schedule()
+    s.update(out, {w.seq.request_id: 99 for w in out.scheduled if w.sample})
+    return seq
+
+
+def test_scheduler_gives_a_run_the_slots_of_every_step_and_cuts_it_at_max_tokens():
+    s, bm = scheduler(steps=4)
+    seq = prefilled(s, "a", max_tokens=6)  # 6 prompt tokens + 1 sampled: 7 tokens, 6 computed
+    out = s.schedule()
+    [work] = out.scheduled
+    assert (work.num_steps, work.token_ids, work.start_pos) == (4, [99], 6)
+    assert len(work.block_table) * bm.block_size >= 6 + 4  # every step's KV slot
+    s.update(out, {"a": [5, 6, 7, 8]})
+    assert seq.output_token_ids == [99, 5, 6, 7, 8] and seq.num_computed_tokens == 10
+    [work] = s.schedule().scheduled
+    assert work.num_steps == 1  # one token left before max_tokens
+
+
+def test_scheduler_runs_single_steps_while_a_request_waits_and_rejects_extra_tokens():
+    s, _ = scheduler(steps=4)
+    prefilled(s, "a", max_tokens=20)
+    s.add(Sequence("b", [1, 2, 3], SamplingParams(temperature=0.0)))
+    out = s.schedule()
+    assert [w.num_steps for w in out.scheduled] == [1, 1]
+    s.update(out, {"a": 5, "b": 6})
+    out = s.schedule()
+    assert [w.num_steps for w in out.scheduled] == [4, 4]
+    with pytest.raises(ValueError, match="5 tokens for request 'a', scheduled for 4"):
+        s.update(out, {"a": [1, 2, 3, 4, 5], "b": [1]})
+
+
+def test_scheduler_falls_back_to_one_step_when_the_blocks_for_a_run_are_short():
+    s, bm = scheduler(steps=8, blocks=5, max_model_len=20)  # 20 slots
+    a = prefilled(s, "a", prompt_len=7, max_tokens=20)
+    b = prefilled(s, "b", prompt_len=3, max_tokens=20)  # a decoded a token in the same step
+    assert (len(bm.block_table(a)), len(bm.block_table(b)), bm.num_free_blocks(DEVICE)) == (2, 1, 2)
+    # a run of 8 needs 4 more blocks (a: 16 slots, b: 11), and 2 are free: one step, one block taken
+    out = s.schedule()
+    assert [w.num_steps for w in out.scheduled] == [1, 1]
+    assert (len(bm.block_table(a)), len(bm.block_table(b)), bm.num_free_blocks(DEVICE)) == (3, 1, 1)
+    assert not out.preempted

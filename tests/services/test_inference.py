@@ -78,6 +78,24 @@ async def test_concurrent_streams_match_the_engine(start_server, model_dir, refe
     assert metrics[(contract.EXPERT_CALL_LATENCY + "_count", ())] > 0
 
 
+async def test_multi_step_decode_streams_runs_of_tokens(start_server, model_dir, reference, tmp_path):
+    # --num-scheduler-steps 4: the same tokens; after the prefill's, they come four to a response.
+    ids, _ = reference
+    server = await start_server(model=str(model_dir("mixtral")), listen=f"unix:{tmp_path}/inference.sock",
+                                metrics_port=0, num_scheduler_steps=4)
+    streams = await asyncio.gather(*(generate(server.address, greedy(p)) for p in PROMPTS))
+    assert [token_ids(s) for s in streams] == ids
+    for stream in streams:
+        # The prefill's token, then runs of up to 4: a stream arriving or nearing max_tokens shortens
+        # everyone's run (the server's streams arrive a step or two apart).
+        runs = [len(r.token_ids) for r in stream]
+        assert runs[0] == 1 and max(runs) == 4 and len(runs) <= 5, runs
+        assert stream[-1].finish_reason == "length" and stream[-1].usage.completion_tokens == 8
+    metrics = scrape(server.metrics_port)
+    assert metrics[(contract.INTER_TOKEN_LATENCY + "_count", ())] == 3 * 7  # still a gap per token
+    assert metrics[(contract.GENERATED_TOKENS + "_total", ())] == 3 * 8
+
+
 BAD_REQUESTS = [
     (inference_pb2.GenerateRequest(), "prompt"),
     (inference_pb2.GenerateRequest(prompt="hi", prompt_token_ids=[1]), "prompt"),

@@ -53,11 +53,15 @@ class EngineConfig:
     # On CUDA, prefill chunks of at least this many tokens run their routed experts on the GPU,
     # the weights streamed from host memory (tandem.experts.device_prefill); 0: always the CPU.
     device_prefill_tokens: int = DEVICE_PREFILL_TOKENS
+    # Decode tokens per engine step while only decodes run (vLLM's multi-step scheduling; see
+    # tandem.engine.scheduler): the scheduling and output processing between forward passes run
+    # once per this many tokens, and streams get their tokens in runs of as many. 1: every token.
+    num_scheduler_steps: int = 1
 
     DEFAULT_MAX_MODEL_LEN = 8192
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_fraction <= 1:
@@ -105,7 +109,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.max_model_len, max_waiting=config.max_waiting,
-                            cpu_decode=config.cpu_decode),
+                            cpu_decode=config.cpu_decode, num_scheduler_steps=config.num_scheduler_steps),
             self.block_manager, set(cfg.eos_token_ids),
         )
         self.runner = ModelRunner(model, self.cache, device)
@@ -231,10 +235,15 @@ class LLMEngine:
         req = self.requests[seq.request_id]
         if req.detok is not None and not seq.is_finished:
             new = seq.output_token_ids[req.reported:]
-            delta, hit = req.detok.add(new)
-            req.pending_text += delta
-            if hit:
-                self.scheduler.finish(seq.request_id, "stop")
+            # With stop strings, the tokens of a multi-step decode go in one at a time: those after
+            # the token that completes a stop string are dropped, as the scheduler drops a stop token's.
+            for i, chunk in enumerate([[t] for t in new] if req.detok.stop and len(new) > 1 else [new]):
+                delta, hit = req.detok.add(chunk)
+                req.pending_text += delta
+                if hit:
+                    del seq.output_token_ids[req.reported + i + len(chunk):]
+                    self.scheduler.finish(seq.request_id, "stop")
+                    break
         return self._output(req, finished=seq.is_finished)
 
     def _output(self, req: "_Request", finished: bool) -> RequestOutput:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from tandem.engine.cuda_graph import DecodeGraphs
 from tandem.engine.sampler import Sampler
+from tandem.experts.base import ExpertsUnavailable
 from tandem.kv.attention import AttentionMetadata
 from tandem.kv.cache import CPU, DEVICE, KVCache
 from tandem.kv.tiered import CpuAttentionBackend, CpuBatch, LocalCpuAttention, StepAttention
 from tandem.model.model import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -32,10 +36,13 @@ class ModelRunner:
         self.cache.swap(swap_out, DEVICE, CPU)
         self.cache.swap(swap_in, CPU, DEVICE)
 
-    def execute(self, scheduled, generators: dict[str, torch.Generator | None]) -> dict[str, int]:
-        """Run one forward pass over the scheduled chunks; returns request_id -> sampled token."""
+    def execute(self, scheduled, generators: dict[str, torch.Generator | None]) -> dict[str, int | list[int]]:
+        """Run one forward pass over the scheduled chunks; returns request_id -> sampled token (the
+        tokens, for a multi-step decode: see decode_steps)."""
         if not scheduled:
             return {}
+        if scheduled[0].num_steps > 1:
+            return self.decode_steps(scheduled, generators)
         # Device-tier sequences first: each tier's tokens are then one slice (see tandem.kv.tiered).
         on_device = [s for s in scheduled if s.tier == DEVICE]
         on_cpu = [s for s in scheduled if s.tier == CPU]
@@ -68,6 +75,48 @@ class ModelRunner:
             logits, [s.seq.params for s in sampling], [generators.get(s.seq.request_id) for s in sampling]
         )
         return {s.seq.request_id: int(t) for s, t in zip(sampling, ids.tolist())}
+
+    def decode_steps(self, scheduled, generators: dict[str, torch.Generator | None]) -> dict[str, list[int]]:
+        """num_steps decode steps in a row of device-tier sequences (the scheduler's multi-step
+        decode), each step's sampled tokens the next one's inputs: request_id -> its tokens.
+
+        The steps' attention metadata is built once, and the sampled ids stay a tensor until the
+        end. When the experts become unavailable after the first step, the tokens sampled so far
+        are returned (the next step meets the outage again and stays pending, see LLMEngine.step)."""
+        steps = scheduled[0].num_steps
+        if any(s.num_steps != steps or s.tier != DEVICE or len(s.token_ids) != 1 for s in scheduled):
+            raise ValueError("a multi-step decode takes one token of every sequence, all on the device tier, "
+                             "for the same number of steps")
+        rids = [s.seq.request_id for s in scheduled]
+        params = [s.seq.params for s in scheduled]
+        gens = [generators.get(r) for r in rids]
+        tables = [s.block_table for s in scheduled]
+        starts = [s.start_pos for s in scheduled]
+        metas = AttentionMetadata.decode_steps(starts, tables, steps, self.cache.block_size, self.device,
+                                               self.sliding_window)
+        graphed = self.graphs is not None and self.graphs.serves(len(scheduled))
+        ids = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long, device=self.device)  # [B]
+        sampled = []
+        for i, meta in enumerate(metas):
+            try:
+                if graphed:
+                    hidden = self.graphs.run(ids.tolist(), [p + i for p in starts], tables)  # [B, H]
+                else:
+                    step = StepAttention(meta, None, len(rids), self.cpu_attention)
+                    hidden = self.model(ids, meta.query_pos.view(-1), self.cache, step, max_position=max(starts) + i)
+            except ExpertsUnavailable:
+                if not sampled:
+                    raise
+                log.warning("experts unavailable after %d of %d decode steps; keeping the %d tokens sampled",
+                            i, steps, i, exc_info=True)
+                break
+            logits = self.model.compute_logits(hidden)  # [B, V]
+            if self.logits_hook is not None:
+                for rid, row in zip(rids, logits):
+                    self.logits_hook(rid, row)
+            ids = self.sampler.sample(logits, params, gens)  # [B]
+            sampled.append(ids)
+        return dict(zip(rids, torch.stack(sampled, dim=1).tolist()))
 
     def _graphed(self, on_device, on_cpu) -> bool:
         """A decode step (one token per sequence) of device-tier sequences only, of a graphed size."""

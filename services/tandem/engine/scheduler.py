@@ -8,6 +8,13 @@ sequence cannot get a block, the most recently arrived running sequence is preem
 to the CPU tier if it fits there, else freed and re-queued at the front of waiting to be
 recomputed (prompt and outputs re-prefilled; nothing is lost). New work never preempts.
 
+With `num_scheduler_steps` N > 1 (vLLM's multi-step scheduling), a step in which every running
+sequence is decoding on the device tier, and nothing waits or is swapped out, decodes up to N
+tokens in a row: each sequence gets the slots for all of them at once and the runner feeds each
+sampled token to the next forward pass, so the scheduling and the output processing around a
+forward pass run once per N tokens. A sequence that stops early (a stop token, a stop string)
+drops the tokens after its stop; N is cut so that no sequence passes max_tokens or max_model_len.
+
 With `cpu_decode` (the serving default), a sequence that would be swapped out is offloaded
 instead: its KV moves to the CPU tier and it keeps running there, its attention computed on
 the CPU socket (`tandem.kv.tiered`), so a context longer than the device tier still decodes.
@@ -43,9 +50,10 @@ class SchedulerConfig:
     max_model_len: int = 4096  # prompt + output tokens of one sequence
     max_waiting: int = 1024  # queued requests before add() refuses
     cpu_decode: bool = False  # offload to the CPU tier and keep running, instead of swapping out
+    num_scheduler_steps: int = 1  # decode tokens per scheduled step when only decodes run (see above)
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting", "num_scheduler_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
@@ -64,6 +72,9 @@ class ScheduledSeq:
     block_table: list[int]  # device block ids covering start_pos + len(token_ids) slots
     sample: bool  # the chunk reaches the last known token: sample a new one from its logits
     tier: str = DEVICE  # the KV tier block_table is in: DEVICE, or CPU for an offloaded sequence
+    # Decode steps in a row (a decode only): each sampled token is the next step's input, and
+    # block_table covers them all.
+    num_steps: int = 1
 
     @property
     def is_decode(self) -> bool:
@@ -169,6 +180,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work. Changes queues and block tables, not token counts (see update)."""
+        steps = self._decode_steps()
+        if steps > 1:
+            out = self._schedule_decode_steps(steps)
+            if out is not None:
+                return out
         step = _Step(self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.out.preempted:
@@ -176,6 +192,38 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(step)
         return step.finish()
+
+    def _decode_steps(self) -> int:
+        """Tokens every running sequence can decode in a row this step: num_scheduler_steps, cut so
+        that none passes its max_tokens or max_model_len; 1 when anything else has to run."""
+        steps = self.config.num_scheduler_steps
+        if steps == 1 or self.waiting or self.swapped or not self.running:
+            return 1
+        bm = self.block_manager
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or bm.tier_of(seq) != DEVICE:
+                return 1
+            steps = min(steps, seq.params.max_tokens - seq.num_output_tokens,
+                        self.config.max_model_len - seq.num_tokens)
+        return max(steps, 1)
+
+    def _schedule_decode_steps(self, steps: int) -> SchedulerOutput | None:
+        """Every running sequence decodes `steps` tokens, or None (nothing allocated) when the
+        device tier is short of the blocks for that."""
+        bm = self.block_manager
+        needed = sum(max(0, bm.blocks_needed(seq.num_computed_tokens + steps) - len(bm.block_table(seq)))
+                     for seq in self.running)
+        if len(self.running) > self.config.max_num_seqs or needed > bm.num_free_blocks(DEVICE):
+            return None
+        for seq in self.running:
+            if not bm.allocate_slots(seq, steps):
+                raise RuntimeError("block manager refused slots that were free")
+        out = SchedulerOutput(num_batched_tokens=len(self.running))
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            start = seq.num_computed_tokens
+            out.scheduled.append(ScheduledSeq(seq, [seq.last_token_id], start, self.block_manager.block_table(seq),
+                                              sample=True, num_steps=steps))
+        return out
 
     def _schedule_running(self, step: _Step) -> None:
         # decodes first: they are latency bound, and each costs one token of the budget
@@ -270,10 +318,12 @@ class Scheduler:
 
     # update
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Sequence]:
         """Account for a finished step: advance progress, append sampled tokens, apply token stops.
 
-        `sampled` maps request_id to the token sampled for every scheduled chunk with sample=True.
+        `sampled` maps request_id to the token sampled for every scheduled chunk with sample=True,
+        or to the tokens of a multi-step decode in order: its num_steps of them, or fewer when the
+        steps were cut short (a decode step fed each one but the last to the model).
         Returns the sequences that got a token or finished, in scheduled order.
         """
         changed = []
@@ -281,16 +331,25 @@ class Scheduler:
             seq = work.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished between schedule and update
-            seq.num_computed_tokens = work.start_pos + len(work.token_ids)
             if not work.sample:
+                seq.num_computed_tokens = work.start_pos + len(work.token_ids)
                 self.block_manager.cache_full_blocks(seq)
                 continue
             if seq.request_id not in sampled:
                 raise KeyError(f"no sampled token for request {seq.request_id!r}")
-            token = sampled[seq.request_id]
-            seq.output_token_ids.append(token)
+            tokens = sampled[seq.request_id]
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            if not 0 < len(tokens) <= work.num_steps:
+                raise ValueError(f"{len(tokens)} tokens for request {seq.request_id!r}, "
+                                 f"scheduled for {work.num_steps}")
+            for i, token in enumerate(tokens):
+                # KV computed: the chunk's tokens, then each earlier token of this step fed back
+                seq.num_computed_tokens = work.start_pos + len(work.token_ids) + i
+                seq.output_token_ids.append(token)
+                reason, stop_reason = self._check_stop(seq, token)
+                if reason is not None:
+                    break  # the tokens after a stop are dropped
             self.block_manager.cache_full_blocks(seq)
-            reason, stop_reason = self._check_stop(seq, token)
             if reason is not None:
                 self._retire(seq, reason, stop_reason)
             changed.append(seq)

@@ -50,34 +50,46 @@ class AttentionMetadata:
         q_max = max(lens)
         max_blocks = max(len(t) for t in block_tables)
         l_max = max_blocks * block_size
-        if all(n == 1 for n in lens):  # decode: one token per sequence, built from lists in a few ops
-            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
-            # positions, slots and lengths: one tensor from one list, three views of it
-            flat = torch.tensor(starts + slots_of(starts, block_tables, block_size) + [p + 1 for p in starts],
-                                dtype=torch.long)
-            query_pos, slot_mapping, seq_lens = flat[:num_seqs].view(-1, 1), flat[num_seqs:-num_seqs], flat[-num_seqs:]
-            query_index = torch.arange(num_seqs).view(-1, 1)
-            query_valid = torch.ones(num_seqs, 1, dtype=torch.bool)
-        else:
-            tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
-            query_index = torch.zeros(num_seqs, q_max, dtype=torch.long)
-            query_pos = torch.zeros(num_seqs, q_max, dtype=torch.long)
-            query_valid = torch.zeros(num_seqs, q_max, dtype=torch.bool)
-            slots, offset = [], 0
-            for i, (start, n, table) in enumerate(zip(starts, lens, block_tables)):
-                tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-                query_index[i, :n] = torch.arange(offset, offset + n)
-                query_pos[i, :n] = torch.arange(start, start + n)
-                query_valid[i, :n] = True
-                pos = torch.arange(start, start + n)
-                slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
-                offset += n
-            slot_mapping = torch.cat(slots)
-            seq_lens = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.long)
+        if all(n == 1 for n in lens):  # decode: one token per sequence
+            return cls.decode_steps(starts, block_tables, 1, block_size, device, sliding_window)[0]
+        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
+        query_index = torch.zeros(num_seqs, q_max, dtype=torch.long)
+        query_pos = torch.zeros(num_seqs, q_max, dtype=torch.long)
+        query_valid = torch.zeros(num_seqs, q_max, dtype=torch.bool)
+        slots, offset = [], 0
+        for i, (start, n, table) in enumerate(zip(starts, lens, block_tables)):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+            query_index[i, :n] = torch.arange(offset, offset + n)
+            query_pos[i, :n] = torch.arange(start, start + n)
+            query_valid[i, :n] = True
+            pos = torch.arange(start, start + n)
+            slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
+            offset += n
+        slot_mapping = torch.cat(slots)
+        seq_lens = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.long)
         tensors = (slot_mapping, tables, query_index, query_valid, query_pos, seq_lens)
         if device.type != "cpu":  # built on the CPU: moved only when the step runs elsewhere
             tensors = tuple(t.to(device) for t in tensors)
         return cls(*tensors, key_len=l_max, sliding_window=sliding_window)
+
+    @classmethod
+    def decode_steps(cls, starts: list[int], block_tables: list[list[int]], steps: int, block_size: int,
+                     device: torch.device, sliding_window: int | None = None) -> list["AttentionMetadata"]:
+        """Metadata of `steps` decode steps in a row, built at once from lists in a few ops: in step i
+        sequence j computes one token at position starts[j] + i; block_tables cover every step."""
+        num_seqs, max_blocks = len(starts), max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+        positions = [p + i for i in range(steps) for p in starts]
+        # positions and slots of every step: one tensor from one list, views of it
+        flat = torch.tensor(positions + slots_of(positions, block_tables * steps, block_size), dtype=torch.long)
+        shared = [tables, flat, torch.arange(num_seqs).view(-1, 1), torch.ones(num_seqs, 1, dtype=torch.bool)]
+        if device.type != "cpu":  # built on the CPU: moved only when the steps run elsewhere
+            shared = [t.to(device) for t in shared]
+        tables, flat, query_index, query_valid = shared
+        pos, slots = flat[: steps * num_seqs].view(steps, num_seqs), flat[steps * num_seqs:].view(steps, num_seqs)
+        seq_lens = pos + 1
+        return [cls(slots[i], tables, query_index, query_valid, pos[i].view(-1, 1), seq_lens[i],
+                    key_len=max_blocks * block_size, sliding_window=sliding_window) for i in range(steps)]
 
 
 def slots_of(positions: list[int], block_tables: list[list[int]], block_size: int) -> list[int]:

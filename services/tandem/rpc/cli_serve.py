@@ -55,6 +55,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="CUDA: run every decode step eagerly instead of replaying CUDA graphs")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens computed per engine step, prefill chunks included (default 2048)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+                   help="decode tokens per engine step while only decodes run (vLLM's multi-step scheduling): "
+                        "the scheduling between forward passes runs once per N tokens, and streams get their "
+                        "tokens in runs of N (default 1)")
     p.add_argument("--max-model-len", type=int, help="longest prompt plus generation (default: the model's)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="waiting requests beyond this are refused with RESOURCE_EXHAUSTED (default 1024)")
@@ -87,7 +91,8 @@ def options_from_args(args):
         expert_quant=args.expert_quant, dense_quant=args.dense_quant, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout,
-        spin_us=args.spin_us, enforce_eager=args.enforce_eager)
+        spin_us=args.spin_us, enforce_eager=args.enforce_eager,
+        num_scheduler_steps=args.num_scheduler_steps)
 
 
 def run_serve(args) -> int:
