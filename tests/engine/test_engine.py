@@ -1,4 +1,5 @@
-"""The engine end to end on a tiny checkpoint: tiers, preemption, prefix cache, cancel, stops, seeds, multi-step decode."""
+"""The engine end to end on a tiny checkpoint: tiers, preemption, prefix cache, cancel, stops, seeds,
+multi-step decode."""
 
 from __future__ import annotations
 
