@@ -46,6 +46,8 @@ def test_defaults_follow_the_contract(tmp_path):
     (["--role", "attention", "--experts", "nowhere"], "--experts: expected host:port"),
     (["--metrics-port", "-1"], "--metrics-port must be in 0..65535"),
     (["--threads", "0"], "--threads must be at least 1"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be at least 1, got 0"),
+    (["--num-scheduler-steps", "0"], "num_scheduler_steps must be at least 1, got 0"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, argv, message):
     (tmp_path / "config.json").write_text("{}")

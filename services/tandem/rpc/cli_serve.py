@@ -100,10 +100,12 @@ def run_serve(args) -> int:
     from pathlib import Path
 
     from tandem.cli import UsageError
+    from tandem.rpc.loading import engine_config
     from tandem.rpc.server import serve
 
     try:
         opts = options_from_args(args)
+        engine_config(opts)  # the engine's limits (--max-num-seqs, ...), checked before anything starts
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not (Path(opts.model) / "config.json").is_file():
