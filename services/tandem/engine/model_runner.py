@@ -67,14 +67,9 @@ class ModelRunner:
         sampling = [s for s in scheduled if s.sample]
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[last])  # [B, V]
-        if self.logits_hook is not None:
-            for s, row in zip(sampling, logits):
-                self.logits_hook(s.seq.request_id, row)
-        ids = self.sampler.sample(
-            logits, [s.seq.params for s in sampling], [generators.get(s.seq.request_id) for s in sampling]
-        )
-        return {s.seq.request_id: int(t) for s, t in zip(sampling, ids.tolist())}
+        rids = [s.seq.request_id for s in sampling]
+        ids = self._sample(hidden[last], rids, [s.seq.params for s in sampling], [generators.get(r) for r in rids])
+        return dict(zip(rids, ids.tolist()))
 
     def decode_steps(self, scheduled, generators: dict[str, torch.Generator | None]) -> dict[str, list[int]]:
         """num_steps decode steps in a row of device-tier sequences (the scheduler's multi-step
@@ -94,7 +89,7 @@ class ModelRunner:
         starts = [s.start_pos for s in scheduled]
         metas = AttentionMetadata.decode_steps(starts, tables, steps, self.cache.block_size, self.device,
                                                self.sliding_window)
-        graphed = self.graphs is not None and self.graphs.serves(len(scheduled))
+        graphed = self._graphed(scheduled, [])
         ids = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long, device=self.device)  # [B]
         sampled = []
         for i, meta in enumerate(metas):
@@ -110,13 +105,17 @@ class ModelRunner:
                 log.warning("experts unavailable after %d of %d decode steps; keeping the %d tokens sampled",
                             i, steps, i, exc_info=True)
                 break
-            logits = self.model.compute_logits(hidden)  # [B, V]
-            if self.logits_hook is not None:
-                for rid, row in zip(rids, logits):
-                    self.logits_hook(rid, row)
-            ids = self.sampler.sample(logits, params, gens)  # [B]
+            ids = self._sample(hidden, rids, params, gens)  # [B]
             sampled.append(ids)
         return dict(zip(rids, torch.stack(sampled, dim=1).tolist()))
+
+    def _sample(self, hidden: torch.Tensor, rids: list[str], params, generators) -> torch.Tensor:
+        """hidden [B, H] of the positions sampled from, one per request -> token ids [B] long."""
+        logits = self.model.compute_logits(hidden)  # [B, V]
+        if self.logits_hook is not None:
+            for rid, row in zip(rids, logits):
+                self.logits_hook(rid, row)
+        return self.sampler.sample(logits, params, generators)
 
     def _graphed(self, on_device, on_cpu) -> bool:
         """A decode step (one token per sequence) of device-tier sequences only, of a graphed size."""

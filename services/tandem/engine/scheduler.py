@@ -213,15 +213,14 @@ class Scheduler:
         bm = self.block_manager
         needed = sum(max(0, bm.blocks_needed(seq.num_computed_tokens + steps) - len(bm.block_table(seq)))
                      for seq in self.running)
-        if len(self.running) > self.config.max_num_seqs or needed > bm.num_free_blocks(DEVICE):
+        if needed > bm.num_free_blocks(DEVICE):
             return None
         for seq in self.running:
             if not bm.allocate_slots(seq, steps):
                 raise RuntimeError("block manager refused slots that were free")
         out = SchedulerOutput(num_batched_tokens=len(self.running))
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            start = seq.num_computed_tokens
-            out.scheduled.append(ScheduledSeq(seq, [seq.last_token_id], start, self.block_manager.block_table(seq),
+            out.scheduled.append(ScheduledSeq(seq, [seq.last_token_id], seq.num_computed_tokens, bm.block_table(seq),
                                               sample=True, num_steps=steps))
         return out
 
