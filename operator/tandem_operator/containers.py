@@ -50,6 +50,7 @@ def build_attention_container(spec: HybridModelSpec) -> dict:
         FLAGS["gpu_memory_fraction"], _number(spec.kvCache.gpuMemoryFraction),
         FLAGS["cpu_decode"] if spec.kvCache.cpuDecode else FLAGS["no_cpu_decode"],
         *_spin_args(spec),
+        *_unless_default("num_scheduler_steps", spec.attention.numSchedulerSteps, 1),
     ]
     resources = {"cpu": str(spec.attention.cpus), "memory": spec.attention.memory,
                  "nvidia.com/gpu": str(spec.attention.gpus)}
@@ -124,10 +125,13 @@ def _serve_args(spec: HybridModelSpec, role: str) -> list[str]:
 
 
 def _spin_args(spec: HybridModelSpec) -> list[str]:
-    # Only when set: a new flag in every pod template would roll every HybridModel's pods on an
-    # operator upgrade.
-    us = spec.experts.spinMicroseconds
-    return [FLAGS["spin_us"], str(us)] if us else []
+    return _unless_default("spin_us", spec.experts.spinMicroseconds, 0)
+
+
+def _unless_default(flag: str, value: int, default: int) -> list[str]:
+    # Only when not the default: a new flag in every pod template would roll every HybridModel's
+    # pods on an operator upgrade.
+    return [FLAGS[flag], str(value)] if value != default else []
 
 
 def _common(spec: HybridModelSpec, name: str, args: list[str], resources: dict) -> dict:

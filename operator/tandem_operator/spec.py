@@ -43,6 +43,7 @@ class AttentionSpec:
     gpus: int = 1
     cpus: int = 4
     memory: str = "32Gi"
+    numSchedulerSteps: int = 1  # decode tokens per engine step while only decodes run (multi-step)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ def _attention(raw: Mapping) -> AttentionSpec:
         gpus=_int(raw, "gpus", "spec.attention", 1, minimum=1, maximum=16),
         cpus=_int(raw, "cpus", "spec.attention", 4, minimum=1),
         memory=_quantity(raw, "memory", "spec.attention", "32Gi"),
+        numSchedulerSteps=_int(raw, "numSchedulerSteps", "spec.attention", 1, minimum=1, maximum=64),
     )
 
 

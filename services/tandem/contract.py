@@ -54,6 +54,7 @@ SERVE_FLAGS = {
     "cpu_decode": "--cpu-decode",  # a boolean flag: the operator renders it or no_cpu_decode
     "no_cpu_decode": "--no-cpu-decode",
     "spin_us": "--spin-us",  # rendered only when spec.experts.spinMicroseconds is set
+    "num_scheduler_steps": "--num-scheduler-steps",  # rendered only when spec.attention.numSchedulerSteps != 1
 }
 EXPERT_QUANTS = ("none", "int8", "int4")
 

@@ -79,6 +79,8 @@ BAD_SPECS = {
     "negative replicas": ("spec.replicas", -1),
     "fractional cpus": ("spec.experts.cpus", 1.5),
     "zero gpus": ("spec.attention.gpus", 0),
+    "zero scheduler steps": ("spec.attention.numSchedulerSteps", 0),
+    "scheduler steps above 64": ("spec.attention.numSchedulerSteps", 65),
     "bad memory quantity": ("spec.experts.memory", "lots"),
     "unknown quantization": ("spec.experts.quantization", "int3"),
     "zero gpu memory fraction": ("spec.kvCache.gpuMemoryFraction", 0),

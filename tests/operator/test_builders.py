@@ -19,7 +19,8 @@ SPECS = {
     "defaults": BASE,
     "hostpath-int8": {**BASE, "model": {"path": "", "volume": {"hostPath": {"path": "/srv/models", "type": "Directory"}}},
                       "experts": {"cpus": 48, "memory": "384Gi", "threads": 46, "quantization": "int8"},
-                      "attention": {"gpus": 2, "cpus": 8, "memory": "64Gi"}, "replicas": 3},
+                      "attention": {"gpus": 2, "cpus": 8, "memory": "64Gi", "numSchedulerSteps": 8},
+                      "replicas": 3},
     "custom-placement": {**BASE, "placement": {
         "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["moe"]}]}]}},
@@ -168,6 +169,19 @@ def test_spin_microseconds_reaches_both_ends_of_the_data_plane():
         assert args[args.index(contract.SERVE_FLAGS["spin_us"]) + 1] == "20000", container["name"]
 
 
+@pytest.mark.parametrize("steps", [1, 8])
+def test_scheduler_steps_reach_the_attention_container_only_when_not_1(steps):
+    raw = copy.deepcopy(BASE)
+    raw["attention"] = {"numSchedulerSteps": steps}
+    attention, experts = containers(raw)["attention"], containers(raw)["experts"]
+    flag = contract.SERVE_FLAGS["num_scheduler_steps"]
+    assert flag not in experts["args"]  # the experts run no scheduler
+    if steps == 1:  # the default renders nothing, so an operator upgrade leaves existing pods as they are
+        assert flag not in attention["args"] and attention["args"] == containers(BASE)["attention"]["args"]
+    else:
+        assert attention["args"][attention["args"].index(flag) + 1] == str(steps)
+
+
 @pytest.mark.parametrize("name", SPECS)
 def test_container_args_are_what_tandem_serve_accepts(name):
     """Every rendered command line goes through the real `tandem serve` parser and options check."""
@@ -182,6 +196,7 @@ def test_container_args_are_what_tandem_serve_accepts(name):
         if opts.role == "attention":
             assert opts.cpu_decode is spec.kvCache.cpuDecode
             assert opts.gpu_memory_fraction == spec.kvCache.gpuMemoryFraction
+            assert opts.num_scheduler_steps == spec.attention.numSchedulerSteps
         else:
             assert opts.expert_quant == spec.experts.quantization
 

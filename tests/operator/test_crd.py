@@ -10,7 +10,8 @@ import pytest
 from hm_cluster import crd_schema, hybrid_model, load_crd
 
 from tandem_operator import names
-from tandem_operator.spec import SpecError, parse_spec
+from tandem_operator.spec import (AttentionSpec, AutoscalingSpec, ExpertsSpec, KVCacheSpec, PlacementSpec,
+                                  SpecError, parse_spec)
 
 GOOD = {
     "minimal": {},
@@ -21,6 +22,7 @@ GOOD = {
                                                           "prometheus": {"url": "http://prom:9090"}}}},
     "tuned": {"kvCache": {"blockSize": 64, "gpuMemoryFraction": 1, "cpuTierGiB": 0},
               "experts": {"cpus": 1, "memory": "1.5Gi", "threads": 2, "quantization": "int4", "spinMicroseconds": 20000}},
+    "multi-step": {"attention": {"numSchedulerSteps": 64}},
 }
 # Each breaks one rule the schema itself can express (CEL rules are checked in parse_spec).
 BAD = {
@@ -36,6 +38,11 @@ BAD = {
     "unknown-quant": ({"experts": {"quantization": "fp4"}}, "quantization"),
     "negative-spin": ({"experts": {"spinMicroseconds": -1}}, "spinMicroseconds"),
     "second-long-spin": ({"experts": {"spinMicroseconds": 2_000_000}}, "spinMicroseconds"),
+    "zero-scheduler-steps": ({"attention": {"numSchedulerSteps": 0}}, "numSchedulerSteps"),
+    "negative-scheduler-steps": ({"attention": {"numSchedulerSteps": -8}}, "numSchedulerSteps"),
+    "too-many-scheduler-steps": ({"attention": {"numSchedulerSteps": 65}}, "numSchedulerSteps"),
+    "fractional-scheduler-steps": ({"attention": {"numSchedulerSteps": 2.5}}, "numSchedulerSteps"),
+    "string-scheduler-steps": ({"attention": {"numSchedulerSteps": "8"}}, "numSchedulerSteps"),
     "bad-source": ({"autoscaling": {"metrics": {"source": "Datadog"}}}, "source"),
     "bad-url": ({"autoscaling": {"metrics": {"prometheus": {"url": "prom:9090"}}}}, "url"),
 }
@@ -106,6 +113,10 @@ def test_crd_defaults_equal_the_operators():
     assert parse_spec(defaulted) == parse_spec(minimal)
     assert defaulted["attention"]["memory"] == parse_spec(minimal).attention.memory
     assert defaulted["autoscaling"]["metrics"]["source"] == "Pods"
+    # The dataclasses' own defaults are the same again.
+    parsed = parse_spec(minimal)
+    assert (parsed.attention, parsed.experts, parsed.kvCache, parsed.placement, parsed.autoscaling) == (
+        AttentionSpec(), ExpertsSpec(), KVCacheSpec(), PlacementSpec(), AutoscalingSpec())
 
 
 def _apply_defaults(schema: dict, value):

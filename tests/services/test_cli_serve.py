@@ -17,7 +17,7 @@ def test_every_contract_flag_is_accepted(tmp_path):
     values = {"model": str(tmp_path), "listen": "unix:/run/x.sock", "metrics_port": "9500", "role": "attention",
               "experts": contract.EXPERTS_SOCKET, "kv_shm": contract.KV_SHM_PATH, "device": "cpu",
               "dtype": "bfloat16", "threads": "3", "block_size": "32", "gpu_memory_fraction": "0.5",
-              "cpu_kv_gib": "2", "expert_quant": "int8", "spin_us": "20000"}
+              "cpu_kv_gib": "2", "expert_quant": "int8", "spin_us": "20000", "num_scheduler_steps": "4"}
     switches = {"cpu_decode": True, "no_cpu_decode": False}  # flags without a value
     assert set(values) | set(switches) == set(contract.SERVE_FLAGS)
     argv = [a for key, flag in contract.SERVE_FLAGS.items() if key in values for a in (flag, values[key])]
@@ -25,7 +25,7 @@ def test_every_contract_flag_is_accepted(tmp_path):
     assert (opts.role, opts.experts, opts.kv_shm, opts.metrics_port) == (
         "attention", contract.EXPERTS_SOCKET, contract.KV_SHM_PATH, 9500)
     assert (opts.threads, opts.block_size, opts.gpu_memory_fraction, opts.expert_quant) == (3, 32, 0.5, "int8")
-    assert opts.spin_us == 20000
+    assert opts.spin_us == 20000 and opts.num_scheduler_steps == 4
     for key, value in switches.items():
         assert parse(*argv, contract.SERVE_FLAGS[key]).cpu_decode is value
 

@@ -55,7 +55,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="CUDA: run every decode step eagerly instead of replaying CUDA graphs")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens computed per engine step, prefill chunks included (default 2048)")
-    p.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+    p.add_argument(F["num_scheduler_steps"], type=int, default=1, metavar="N",
                    help="decode tokens per engine step while only decodes run (vLLM's multi-step scheduling): "
                         "the scheduling between forward passes runs once per N tokens, and streams get their "
                         "tokens in runs of N (default 1)")
