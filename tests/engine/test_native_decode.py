@@ -167,3 +167,70 @@ def test_one_call_for_all_layers_matches_the_layer_by_layer_calls(demo_model_dir
     with pytest.raises(RuntimeError, match=f"{len(path.layers)} layers but {len(path.layers) - 1} K"):
         kernel.decode_layers(path.natives, x, cos, sin, [k for k, _ in caches][1:], [v for _, v in caches],
                              slots, tables, lens, 0, path.final_norm, path.final_eps)
+
+
+def test_greedy_runs_give_the_tokens_of_sampling_each_step_in_python(demo_model_dir):
+    # int8 dense layers and head, int4 experts, a batch of three in runs of up to 4 steps: the native
+    # greedy run's head and argmax pick what the Python sampler picks from the same kernels' logits.
+    prompts = [[5, 6, 7], [9, 4, 7, 1, 3], [11]]
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for greedy_runs in (True, False):
+        e = LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu", dtype="float32",
+                                      config=EngineConfig(num_scheduler_steps=4), expert_quant="int4",
+                                      dense_quant="int8")
+        if not greedy_runs:
+            e.runner.logits_hook = lambda rid, row: None  # something watches the logits: sampled in Python
+        tokens[greedy_runs] = [r.token_ids for r in e.generate(prompts, params)]
+        path = e.model.native_path
+        assert path.head.kind == native.KIND_INT8 and path.steps > 0
+        assert path.greedy_steps == (path.steps if greedy_runs else 0)
+    assert tokens[True] == tokens[False]
+
+
+def test_a_batch_with_a_sampled_request_is_sampled_in_python(demo_model_dir):
+    model_dir = demo_model_dir("mixtral")
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
+    e = engine_for(model_dir)
+    together = e.generate([[5, 6, 7], [8, 9]], [greedy, sampled])
+    assert e.model.native_path.steps == 4 and e.model.native_path.greedy_steps == 0
+    alone = engine_for(model_dir)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone.generate([[5, 6, 7], [8, 9]],
+                                                                                   [greedy, sampled])]
+    [greedy_alone] = alone.generate([[5, 6, 7]], greedy)
+    assert alone.model.native_path.greedy_steps == 4 and greedy_alone.token_ids == together[0].token_ids
+
+
+def test_a_greedy_run_rejects_bad_input_and_leaves_the_cache_alone(demo_model_dir):
+    e = engine_for(demo_model_dir("mixtral"))
+    e.generate([[5, 6, 7]], GREEDY)
+    path, cfg, kernel = e.model.native_path, e.model.cfg, native.load_kernel()
+    caches = [(torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim), torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim))
+              for _ in path.layers]
+    rope = e.model.rotary.table(64, torch.device("cpu"))
+
+    def run(ids, positions):  # one step of one sequence at slot 3 of block 0
+        return kernel.decode_greedy(path.natives, path.embed, rope, ids, [k for k, _ in caches],
+                                    [v for _, v in caches], positions, torch.tensor([[3]]), torch.tensor([[0]]), 0,
+                                    path.final_norm, path.final_eps, path.head)
+
+    with pytest.raises(RuntimeError, match=f"token {cfg.vocab_size} outside the vocabulary"):
+        run(torch.tensor([cfg.vocab_size]), torch.tensor([[3]]))
+    with pytest.raises(RuntimeError, match=f"position {rope.shape[1]} outside the RoPE table"):
+        run(torch.tensor([5]), torch.tensor([[rope.shape[1]]]))
+    with pytest.raises(RuntimeError, match=r"positions and slots must be contiguous int64 \[steps, B\]"):
+        run(torch.tensor([5, 6]), torch.tensor([[3]]))
+    assert not any(k.any() or v.any() for k, v in caches)
+    # a good step: the argmax of the head over one decode_layers step, its K and V written at slot 3
+    tokens, seconds, ids = run(torch.tensor([5]), torch.tensor([[3]]))
+    x = e.model.model.embed_tokens.weight[5:6].clone()
+    cos, sin = rope[:, 3]
+    reference = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in caches]
+    hidden, _, ref_ids = kernel.decode_layers(path.natives, x, cos[None], sin[None], [k for k, _ in reference],
+                                              [v for _, v in reference], torch.tensor([3]), torch.tensor([[0]]),
+                                              torch.tensor([4]), 0, path.final_norm, path.final_eps)
+    assert tokens.tolist() == [[e.model.compute_logits(hidden).argmax().item()]]
+    assert len(seconds) == len(ids) == 1 and all(torch.equal(a, b) for a, b in zip(ids[0], ref_ids))
+    assert all(torch.equal(k, rk) and torch.equal(v, rv) for (k, v), (rk, rv) in zip(caches, reference))
+    assert all(k[0, 3].any() for k, _ in caches)

@@ -67,8 +67,25 @@ def test_greedy_tokens_and_logits_match_transformers_float32(arch, demo_model_di
     path = engine.model.native_path
     if arch in NATIVE_DECODE_ARCHS:  # every decode step after the prefill took the native path
         assert path is not None and path.steps == NEW_TOKENS - 1
+        assert path.greedy_steps == 0  # the logits hook watches: each step samples in Python
     else:
         assert path is None
+
+
+@pytest.mark.parametrize("arch, overrides", [("mixtral", {}), ("qwen3_moe", {}),
+                                             ("mixtral", {"tie_word_embeddings": True})])
+@pytest.mark.parametrize("steps", [1, 8])
+def test_native_greedy_runs_match_transformers_float32(arch, overrides, steps, demo_model_dir):
+    # Nothing watches the logits: every decode step is a native greedy run (embedding, layers, head and
+    # argmax in one call; `steps` of them per engine step), with the head tied to the embedding or not.
+    model_dir = demo_model_dir(arch, initializer_range=0.2, **overrides)
+    prompt = prompt_for(1, 11)
+    ref_tokens, _ = hf_greedy(model_dir, prompt, NEW_TOKENS)
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="float32",
+                                       config=EngineConfig(num_scheduler_steps=steps))
+    [result] = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert result.token_ids == ref_tokens
+    assert engine.model.native_path.greedy_steps == NEW_TOKENS - 1
 
 
 @pytest.mark.parametrize("arch", sorted(NATIVE_DECODE_ARCHS))

@@ -41,8 +41,8 @@ class ModelRunner:
         tokens, for a multi-step decode: see decode_steps)."""
         if not scheduled:
             return {}
-        if scheduled[0].num_steps > 1:
-            return self.decode_steps(scheduled, generators)
+        if scheduled[0].num_steps > 1 or (self.device.type == "cpu" and self._greedy_decode(scheduled)):
+            return self.decode_steps(scheduled, generators)  # one step of it: the native greedy run, if it serves
         # Device-tier sequences first: each tier's tokens are then one slice (see tandem.kv.tiered).
         on_device = [s for s in scheduled if s.tier == DEVICE]
         on_cpu = [s for s in scheduled if s.tier == CPU]
@@ -91,6 +91,10 @@ class ModelRunner:
                                                self.sliding_window)
         graphed = self._graphed(scheduled, [])
         ids = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long, device=self.device)  # [B]
+        if not graphed and self._greedy_decode(scheduled):  # every step in one native call, if the model can
+            tokens = self.model.greedy_steps(ids, metas, self.cache)  # [B, steps]
+            if tokens is not None:
+                return dict(zip(rids, tokens.tolist()))
         sampled = []
         for i, meta in enumerate(metas):
             try:
@@ -116,6 +120,13 @@ class ModelRunner:
             for rid, row in zip(rids, logits):
                 self.logits_hook(rid, row)
         return self.sampler.sample(logits, params, generators)
+
+    def _greedy_decode(self, scheduled) -> bool:
+        """A decode step of device-tier sequences that all sample greedily, nothing watching the
+        logits: the model may run its steps without returning to Python (`CausalLM.greedy_steps`)."""
+        return self.logits_hook is None and all(
+            s.tier == DEVICE and s.sample and len(s.token_ids) == 1 and self.sampler.is_greedy(s.seq.params)
+            for s in scheduled)
 
     def _graphed(self, on_device, on_cpu) -> bool:
         """A decode step (one token per sequence) of device-tier sequences only, of a graphed size."""

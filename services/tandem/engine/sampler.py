@@ -35,13 +35,18 @@ class Sampler:
                              f"{len(generators)} generators: they must match")
         logits = logits.float()  # [B, V]
         tokens = logits.argmax(dim=-1)  # [B]
-        rows = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
+        rows = [i for i, p in enumerate(params) if not self.is_greedy(p)]
         if rows:
             index = torch.tensor(rows, device=logits.device)
             probs = self.probs(logits[index], [params[i] for i in rows])  # [R, V]
             drawn = self._race(probs, [generators[i] for i in rows])  # [R]
             tokens[index] = drawn
         return tokens
+
+    @staticmethod
+    def is_greedy(params: SamplingParams) -> bool:
+        """Whether `sample` takes the argmax for these params (temperature 0, or too small to divide by)."""
+        return params.temperature < _MIN_TEMPERATURE
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The distribution sampled from: softmax(logits / T), restricted by top-k then top-p."""

@@ -49,6 +49,11 @@ class RotaryEmbedding(nn.Module):
         size = max(num_positions, 1024, 2 * table.shape[1] if table is not None else 0)
         self._table = torch.stack(self._compute(torch.arange(size, device=device)))  # [2, P, D]
 
+    def table(self, num_positions: int, device: torch.device) -> torch.Tensor:
+        """cos and sin of positions [0, P) as [2, P, D] float32, P >= num_positions (see `reserve`)."""
+        self.reserve(num_positions, device)
+        return self._table
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                 max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] of positions [T]. With `max_position` (the largest of them) inside the

@@ -78,7 +78,7 @@ def unwrap_executor(executor) -> tuple[CpuExpertExecutor, list]:
     return executor, observers
 
 
-def _dense(module: nn.Module, name: str):
+def _dense(module: nn.Module, name: str, bias: bool = True):
     d = native.load_kernel().Dense()
     if isinstance(module, Int8Linear):
         d.kind, d.weight, d.scale = native.KIND_INT8, module.kernel.q, module.kernel.scale
@@ -88,7 +88,7 @@ def _dense(module: nn.Module, name: str):
         weight = getattr(module, "weight", None)
         raise Unsupported(f"{name} is {type(module).__name__} ({getattr(weight, 'dtype', 'no weight')}), "
                           "not a float32 or int8 linear layer")
-    if module.bias is not None:
+    if bias and module.bias is not None:
         d.bias = module.bias.detach().float().contiguous()
     return d
 
@@ -163,7 +163,7 @@ class NativeDecode:
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
         self.final_eps = float(model.model.norm.eps)
         kernel = native.load_kernel()
-        self.rms_norm, self.decode_layers = kernel.rms_norm, kernel.decode_layers
+        self.rms_norm, self.decode_layers, self.decode_greedy = kernel.rms_norm, kernel.decode_layers, kernel.decode_greedy
         # Every layer's experts inside its native call, or every layer's in the one experts process
         # over the data plane: the whole step is one call (decode_layers).
         remotes = {id(layer.remote): layer.remote for layer in self.layers}
@@ -174,7 +174,10 @@ class NativeDecode:
         limits = [layer.max_tokens for layer in self.layers]
         limits += [m.kernel.prefill_tokens for m in model.modules() if isinstance(m, Int8Linear)]
         self.max_tokens = min(limits)
+        self.embed = emb.detach()
+        self.head = _head(model)  # None: the greedy runs (`greedy`) are off, each step samples in Python
         self.steps = 0  # steps served (tests check the path was taken)
+        self.greedy_steps = 0  # of which in greedy runs
 
     @property
     def local_experts(self) -> bool:
@@ -209,11 +212,48 @@ class NativeDecode:
             layer(x, cos, sin, layer_kv, meta, window)
         return self.rms_norm(x, self.final_norm, self.final_eps)
 
+    def runs_greedy(self, num_seqs: int) -> bool:
+        """Whether `greedy` can run decode steps of num_seqs sequences: every layer's experts in this
+        process, a head the native kernel takes, and a batch the native layers take."""
+        return self.local_experts and self.head is not None and 0 < num_seqs <= self.max_tokens
+
+    def greedy(self, ids: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               block_tables: torch.Tensor, kv: list[LayerKV], window: int) -> torch.Tensor:
+        """Greedy decode steps in a row in one native call (`decode_greedy`): ids [B] are the
+        sequences' next inputs, positions and slots [S, B] where step s computes each of them, rope
+        the RoPE table [2, P, D] -> the argmax tokens [B, S]. The observers see every step's calls."""
+        self.steps += positions.shape[0]
+        self.greedy_steps += positions.shape[0]
+        tokens, seconds, ids_per_step = self.decode_greedy(
+            self.natives, self.embed, rope, ids, [layer_kv.device["k"] for layer_kv in kv],
+            [layer_kv.device["v"] for layer_kv in kv], positions, slots, block_tables, window, self.final_norm,
+            self.final_eps, self.head)
+        for step_seconds, step_ids in zip(seconds, ids_per_step):
+            self._observed(None, step_seconds, step_ids)
+        return tokens
+
     def _observed(self, out: torch.Tensor, seconds: list[float], ids: list[torch.Tensor]) -> torch.Tensor:
         for layer, layer_seconds, layer_ids in zip(self.layers, seconds, ids):
             for observe in layer.observers:
                 observe(layer.moe_layer, layer_ids, layer_seconds)
         return out
+
+
+def _head(model: nn.Module):
+    """The LM head as a native `Dense`, without a bias as `CausalLM.compute_logits` computes the
+    logits; None when the kernel does not take it (greedy runs are then off)."""
+    if model.cfg.tie_word_embeddings:  # the embedding's [V, H] weight
+        weight = model.model.embed_tokens.weight
+        if weight.dtype != torch.float32:
+            return None
+        d = native.load_kernel().Dense()
+        d.kind, d.weight = native.KIND_F32, weight.detach().contiguous()
+        return d
+    try:
+        return _dense(model.lm_head, "lm_head", bias=False)
+    except Unsupported as exc:
+        _log.debug("greedy runs off: %s", exc)
+        return None
 
 
 def signature(model: nn.Module) -> tuple:
@@ -227,6 +267,7 @@ def signature(model: nn.Module) -> tuple:
         executor = mlp.__dict__.get("executor")
         sig.append((attn, mlp, projections.get("q_proj"), projections.get("k_proj"), projections.get("v_proj"),
                     projections.get("o_proj"), executor, _own_forward(executor)))
+    sig.append((model.model._modules["embed_tokens"], model._modules.get("lm_head")))
     return tuple(sig)
 
 

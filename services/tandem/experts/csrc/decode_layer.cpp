@@ -389,6 +389,88 @@ std::tuple<at::Tensor, std::vector<double>, std::vector<at::Tensor>> decode_laye
   return {rms_norm_f32(x, final_norm, final_eps), std::move(seconds), std::move(ids)};
 }
 
+// Index of the largest of n logits, as torch.argmax picks it: the first of equal maxima, a NaN
+// above any number.
+int64_t argmax_row(const float* l, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (std::isnan(l[best])) break;
+    if (l[i] > l[best] || std::isnan(l[i])) best = i;
+  }
+  return best;
+}
+
+// Greedy decode steps in a row, in one call: a multi-step decode run (tandem.engine's
+// --num-scheduler-steps) of sequences that all sample greedily. Step s looks up the embeddings of
+// the tokens ids (step 0) or of step s - 1's argmax tokens, and the RoPE rows of their positions,
+// runs decode_layers with the experts in this process, the LM head (`head`, no bias: what
+// CausalLM.compute_logits computes) and the argmax. Between the steps nothing returns to Python,
+// whose per-token glue (the embedding, the RoPE lookup, the argument lists, the head's and the
+// sampler's dispatch) is otherwise a tenth of a token's time on a CPU.
+// embed [V, hidden] f32; rope [2, P, head_dim] f32 (cos, then sin, of positions [0, P));
+// ids [B] int64; positions and slots [S, B] int64 (step s writes its K and V at slots[s] and
+// attends to positions[s] + 1 tokens); block_tables cover every step. Returns the tokens
+// [B, S] int64 and, per step, what decode_layers returns per layer (expert seconds and ids).
+std::tuple<at::Tensor, std::vector<std::vector<double>>, std::vector<std::vector<at::Tensor>>> decode_greedy(
+    const std::vector<const DecodeLayer*>& layers, const at::Tensor& embed, const at::Tensor& rope,
+    const at::Tensor& ids, std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
+    const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& block_tables, int64_t sliding_window,
+    const at::Tensor& final_norm, double final_eps, const Dense& head) {
+  TORCH_CHECK(!layers.empty() && layers[0] != nullptr, "decode_greedy: no layers");
+  const int64_t hidden = layers[0]->hidden, D = layers[0]->head_dim;
+  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.scalar_type() == at::kFloat &&
+                  embed.is_contiguous(),
+              "decode_greedy: embed must be contiguous f32 [vocab, ", hidden, "]");
+  TORCH_CHECK(rope.dim() == 3 && rope.size(0) == 2 && rope.size(2) == D && rope.scalar_type() == at::kFloat &&
+                  rope.is_contiguous(),
+              "decode_greedy: rope must be contiguous f32 [2, positions, ", D, "]");
+  head.check("decode_greedy: head", hidden);
+  TORCH_CHECK(!head.bias.defined(), "decode_greedy: the head takes no bias");
+  const int64_t V = embed.size(0), P = rope.size(1), B = ids.numel();
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 1,
+              "decode_greedy: ids must be contiguous int64 [B]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.dim() == 2 &&
+                  positions.is_contiguous() && slots.is_contiguous() && positions.sizes() == slots.sizes() &&
+                  positions.size(1) == B,
+              "decode_greedy: positions and slots must be contiguous int64 [steps, B]");
+  const int64_t S = positions.size(0), N = head.out_features();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < S * B; ++i)
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < P, "decode_greedy: position ", pp[i], " outside the RoPE table [0, ", P, ")");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(ip[b] >= 0 && ip[b] < V, "decode_greedy: token ", ip[b], " outside the vocabulary [0, ", V, ")");
+  TORCH_CHECK(N <= V, "decode_greedy: the head's ", N, " logits index past the embedding's ", V, " rows");
+
+  const auto f32 = embed.options();
+  at::Tensor tokens = at::empty({B, S}, f32.dtype(at::kLong));
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  std::vector<int64_t> current(ip, ip + B);
+  std::vector<std::vector<double>> seconds;
+  std::vector<std::vector<at::Tensor>> expert_ids;
+  at::Tensor x = at::empty({B, hidden}, f32), cos = at::empty({B, D}, f32), sin = at::empty({B, D}, f32);
+  at::Tensor logits = at::empty({B, N}, f32);
+  const float* ep = embed.data_ptr<float>();
+  const float* rp = rope.data_ptr<float>();
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy_n(ep + current[b] * hidden, hidden, x.data_ptr<float>() + b * hidden);
+      const int64_t pos = pp[s * B + b];
+      std::copy_n(rp + pos * D, D, cos.data_ptr<float>() + b * D);
+      std::copy_n(rp + (P + pos) * D, D, sin.data_ptr<float>() + b * D);
+    }
+    const at::Tensor step_positions = positions.select(0, s);
+    auto [h, layer_seconds, layer_ids] =
+        decode_layers(layers, x, cos, sin, k_caches, v_caches, slots.select(0, s), block_tables, step_positions + 1,
+                      sliding_window, final_norm, final_eps, -1, 0, -1);
+    head(h, logits);
+    for (int64_t b = 0; b < B; ++b) tp[b * S + s] = current[b] = argmax_row(logits.data_ptr<float>() + b * N, N);
+    seconds.push_back(std::move(layer_seconds));
+    expert_ids.push_back(std::move(layer_ids));
+  }
+  return {tokens, std::move(seconds), std::move(expert_ids)};
+}
+
 void bind_decode_layer(pybind11::module& m) {
   namespace py = pybind11;
   m.def(
@@ -417,6 +499,13 @@ void bind_decode_layer(pybind11::module& m) {
         py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("sliding_window"),
         py::arg("final_norm"), py::arg("final_eps"), py::arg("data_fd") = -1, py::arg("spin_us") = 0,
         py::arg("timeout_ms") = -1, py::call_guard<py::gil_scoped_release>());
+  m.def("decode_greedy", &decode_greedy,
+        "greedy decode steps in a row, each step's argmax the next one's input, experts in this process: "
+        "(tokens [B, steps], expert seconds per step and layer, expert ids per step and layer)",
+        py::arg("layers"), py::arg("embed"), py::arg("rope"), py::arg("ids"), py::arg("k_caches"),
+        py::arg("v_caches"), py::arg("positions"), py::arg("slots"), py::arg("block_tables"),
+        py::arg("sliding_window"), py::arg("final_norm"), py::arg("final_eps"), py::arg("head"),
+        py::call_guard<py::gil_scoped_release>());
   py::class_<Dense>(m, "Dense", "a dense projection for DecodeLayer: kind 0 f32, kind 2 int8 rows")
       .def(py::init<>())
       .def_readwrite("kind", &Dense::kind)
