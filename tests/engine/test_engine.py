@@ -291,6 +291,39 @@ def test_new_requests_are_prefilled_without_waiting_for_a_run(model_dir):
     assert e.stats().kv_blocks_used[DEVICE] == 0
 
 
+def test_experts_unavailable_inside_a_greedy_run_keeps_the_steps_it_finished(model_dir):
+    # A native greedy run writes a column of tokens as each of its steps ends. The experts process
+    # lost at a run's second step keeps the first step's token; lost at the first step, the engine
+    # step raises and stays pending; the tokens end up those of a run without outages.
+    reference, _ = run(engine(model_dir), {"a": (prompts(1)[0], GREEDY)})
+    e = engine(model_dir, num_scheduler_steps=4)
+    real, runs = e.model.greedy_steps, []
+
+    def outages(ids, metas, cache, tokens):
+        runs.append(len(metas))
+        if len(runs) == 1:  # the first run: down after its first step
+            assert real(ids, metas[:1], cache, tokens[:, :1])
+        if len(runs) <= 2:  # the second: down from the start
+            raise ExpertsUnavailable("experts process is down")
+        return real(ids, metas, cache, tokens)
+
+    e.model.greedy_steps = outages
+    e.add_request("a", prompts(1)[0], GREEDY)
+    tokens, sizes, raised = [], [], []
+    while e.has_unfinished_requests():
+        try:
+            outputs = e.step()
+        except ExpertsUnavailable:
+            raised.append(len(sizes))
+            continue
+        sizes.append([len(o.new_token_ids) for o in outputs])
+        tokens += [t for o in outputs for t in o.new_token_ids]
+    assert sizes[:3] == [[1], [1], [4]] and raised == [2] and runs[:3] == [4, 4, 4]
+    assert tokens == reference["a"][0]
+    assert e.model.native_path.greedy_steps == GREEDY.max_tokens - 1
+    assert e.stats().kv_blocks_used[DEVICE] == 0
+
+
 def test_experts_unavailable_inside_a_run_keeps_the_tokens_so_far(model_dir):
     reference, _ = run(engine(model_dir), {"a": (prompts(1)[0], GREEDY), "b": (prompts(2)[1], GREEDY)})
     e = engine(model_dir, num_scheduler_steps=4)

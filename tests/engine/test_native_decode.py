@@ -210,10 +210,12 @@ def test_a_greedy_run_rejects_bad_input_and_leaves_the_cache_alone(demo_model_di
               for _ in path.layers]
     rope = e.model.rotary.table(64, torch.device("cpu"))
 
+    tokens = torch.full((1, 1), -1)
+
     def run(ids, positions):  # one step of one sequence at slot 3 of block 0
         return kernel.decode_greedy(path.natives, path.embed, rope, ids, [k for k, _ in caches],
                                     [v for _, v in caches], positions, torch.tensor([[3]]), torch.tensor([[0]]), 0,
-                                    path.final_norm, path.final_eps, path.head)
+                                    path.final_norm, path.final_eps, path.head, tokens)
 
     with pytest.raises(RuntimeError, match=f"token {cfg.vocab_size} outside the vocabulary"):
         run(torch.tensor([cfg.vocab_size]), torch.tensor([[3]]))
@@ -221,9 +223,9 @@ def test_a_greedy_run_rejects_bad_input_and_leaves_the_cache_alone(demo_model_di
         run(torch.tensor([5]), torch.tensor([[rope.shape[1]]]))
     with pytest.raises(RuntimeError, match=r"positions and slots must be contiguous int64 \[steps, B\]"):
         run(torch.tensor([5, 6]), torch.tensor([[3]]))
-    assert not any(k.any() or v.any() for k, v in caches)
+    assert not any(k.any() or v.any() for k, v in caches) and tokens.item() == -1
     # a good step: the argmax of the head over one decode_layers step, its K and V written at slot 3
-    tokens, seconds, ids = run(torch.tensor([5]), torch.tensor([[3]]))
+    seconds, ids = run(torch.tensor([5]), torch.tensor([[3]]))
     x = e.model.model.embed_tokens.weight[5:6].clone()
     cos, sin = rope[:, 3]
     reference = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in caches]
@@ -234,3 +236,10 @@ def test_a_greedy_run_rejects_bad_input_and_leaves_the_cache_alone(demo_model_di
     assert len(seconds) == len(ids) == 1 and all(torch.equal(a, b) for a, b in zip(ids[0], ref_ids))
     assert all(torch.equal(k, rk) and torch.equal(v, rv) for (k, v), (rk, rv) in zip(caches, reference))
     assert all(k[0, 3].any() for k, _ in caches)
+    # a step that fails (its slot outside the cache) after one that did not: the first's token is written
+    good, tokens = tokens.item(), torch.full((1, 2), -1)
+    with pytest.raises(RuntimeError, match="slot 9999 outside the cache"):
+        kernel.decode_greedy(path.natives, path.embed, rope, torch.tensor([5]), [k for k, _ in caches],
+                             [v for _, v in caches], torch.tensor([[3], [4]]), torch.tensor([[3], [9999]]),
+                             torch.tensor([[0]]), 0, path.final_norm, path.final_eps, path.head, tokens)
+    assert tokens.tolist() == [[good, -1]]

@@ -260,6 +260,18 @@ async def test_native_decode_steps_call_the_experts_over_the_data_plane(start_se
     assert len(calls.expert_call_latency.values) == observed + layers * params.max_tokens
     assert all(s > 0 for s in calls.expert_call_latency.values)
 
+    def greedy_runs():  # nothing watches the logits: runs of up to 4 steps in one native call each
+        engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32",
+                                           config=EngineConfig(num_scheduler_steps=4), expert_executor=client)
+        [out] = engine.generate([prompt], params)
+        return engine.model.native_path, out.token_ids
+
+    served, observed = native_end.served, len(calls.expert_call_latency.values)
+    greedy_path, greedy_tokens = await asyncio.to_thread(greedy_runs)
+    assert greedy_tokens == torch_tokens and greedy_path.greedy_steps == params.max_tokens - 1
+    assert native_end.served == served + layers * params.max_tokens
+    assert len(calls.expert_call_latency.values) == observed + layers * params.max_tokens
+
     native_path.natives[1].layer = 7  # a layer the server does not hold: it answers INVALID_ARGUMENT
     with caplog.at_level(logging.ERROR, logger="tandem.engine.llm_engine"):
         [failed] = await asyncio.to_thread(engine.generate, [prompt], params)

@@ -76,7 +76,8 @@ class ModelRunner:
         decode), each step's sampled tokens the next one's inputs: request_id -> its tokens.
 
         The steps' attention metadata is built once, and the sampled ids stay a tensor until the
-        end. When the experts become unavailable after the first step, the tokens sampled so far
+        end. When every sequence samples greedily and nothing watches the logits, the model may run
+        all the steps in one native call (`CausalLM.greedy_steps`). When the experts become unavailable after the first step, the tokens sampled so far
         are returned (the next step meets the outage again and stays pending, see LLMEngine.step)."""
         steps = scheduled[0].num_steps
         if any(s.num_steps != steps or s.tier != DEVICE or len(s.token_ids) != 1 for s in scheduled):
@@ -91,27 +92,26 @@ class ModelRunner:
                                                self.sliding_window)
         graphed = self._graphed(scheduled, [])
         ids = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long, device=self.device)  # [B]
-        if not graphed and self._greedy_decode(scheduled):  # every step in one native call, if the model can
-            tokens = self.model.greedy_steps(ids, metas, self.cache)  # [B, steps]
-            if tokens is not None:
-                return dict(zip(rids, tokens.tolist()))
-        sampled = []
-        for i, meta in enumerate(metas):
-            try:
-                if graphed:
-                    hidden = self.graphs.run(ids.tolist(), [p + i for p in starts], tables)  # [B, H]
-                else:
-                    step = StepAttention(meta, None, len(rids), self.cpu_attention)
-                    hidden = self.model(ids, meta.query_pos.view(-1), self.cache, step, max_position=max(starts) + i)
-            except ExpertsUnavailable:
-                if not sampled:
-                    raise
-                log.warning("experts unavailable after %d of %d decode steps; keeping the %d tokens sampled",
-                            i, steps, i, exc_info=True)
-                break
-            ids = self._sample(hidden, rids, params, gens)  # [B]
-            sampled.append(ids)
-        return dict(zip(rids, torch.stack(sampled, dim=1).tolist()))
+        tokens = torch.full((len(rids), steps), -1, dtype=torch.long, device=self.device)  # a column per step done
+        greedy = not graphed and self._greedy_decode(scheduled)
+        try:
+            if not (greedy and self.model.greedy_steps(ids, metas, self.cache, tokens)):
+                for i, meta in enumerate(metas):
+                    if graphed:
+                        hidden = self.graphs.run(ids.tolist(), [p + i for p in starts], tables)  # [B, H]
+                    else:
+                        step = StepAttention(meta, None, len(rids), self.cpu_attention)
+                        hidden = self.model(ids, meta.query_pos.view(-1), self.cache, step,
+                                            max_position=max(starts) + i)
+                    ids = tokens[:, i] = self._sample(hidden, rids, params, gens)  # [B]
+        except ExpertsUnavailable:
+            done = int((tokens[0] >= 0).sum())
+            if not done:
+                raise
+            log.warning("experts unavailable after %d of %d decode steps; keeping the %d tokens sampled",
+                        done, steps, done, exc_info=True)
+            tokens = tokens[:, :done]
+        return dict(zip(rids, tokens.tolist()))
 
     def _sample(self, hidden: torch.Tensor, rids: list[str], params, generators) -> torch.Tensor:
         """hidden [B, H] of the positions sampled from, one per request -> token ids [B] long."""

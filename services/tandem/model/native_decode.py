@@ -213,24 +213,36 @@ class NativeDecode:
         return self.rms_norm(x, self.final_norm, self.final_eps)
 
     def runs_greedy(self, num_seqs: int) -> bool:
-        """Whether `greedy` can run decode steps of num_seqs sequences: every layer's experts in this
-        process, a head the native kernel takes, and a batch the native layers take."""
-        return self.local_experts and self.head is not None and 0 < num_seqs <= self.max_tokens
+        """Whether `greedy` can run decode steps of num_seqs sequences: the whole step one native call
+        (every layer's experts in this process, or all in the experts process), a head the native
+        kernel takes, and a batch the native layers take."""
+        return self.natives is not None and self.head is not None and 0 < num_seqs <= self.max_tokens
 
     def greedy(self, ids: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               block_tables: torch.Tensor, kv: list[LayerKV], window: int) -> torch.Tensor:
+               block_tables: torch.Tensor, kv: list[LayerKV], window: int, tokens: torch.Tensor) -> bool:
         """Greedy decode steps in a row in one native call (`decode_greedy`): ids [B] are the
         sequences' next inputs, positions and slots [S, B] where step s computes each of them, rope
-        the RoPE table [2, P, D] -> the argmax tokens [B, S]. The observers see every step's calls."""
-        self.steps += positions.shape[0]
-        self.greedy_steps += positions.shape[0]
-        tokens, seconds, ids_per_step = self.decode_greedy(
-            self.natives, self.embed, rope, ids, [layer_kv.device["k"] for layer_kv in kv],
-            [layer_kv.device["v"] for layer_kv in kv], positions, slots, block_tables, window, self.final_norm,
-            self.final_eps, self.head)
+        the RoPE table [2, P, D]; the argmax tokens go to tokens [B, S], a column per step as it ends
+        (when a step raises, those before it are there). The observers see every step's calls.
+        False (nothing run) when the experts process is reached over gRPC only."""
+        args = (self.natives, self.embed, rope, ids, [layer_kv.device["k"] for layer_kv in kv],
+                [layer_kv.device["v"] for layer_kv in kv], positions, slots, block_tables, window, self.final_norm,
+                self.final_eps, self.head, tokens)
+        steps = positions.shape[0]
+        if self.remote is None:
+            seconds, ids_per_step = self.decode_greedy(*args)
+        else:
+            with self.remote.data_plane_calls() as plane:
+                if plane is None:
+                    return False
+                seconds, ids_per_step = self.decode_greedy(*args, *plane)
+            for s in (s for step_seconds in seconds for s in step_seconds):
+                self.remote.record_call(s)
+        self.steps += steps
+        self.greedy_steps += steps
         for step_seconds, step_ids in zip(seconds, ids_per_step):
             self._observed(None, step_seconds, step_ids)
-        return tokens
+        return True
 
     def _observed(self, out: torch.Tensor, seconds: list[float], ids: list[torch.Tensor]) -> torch.Tensor:
         for layer, layer_seconds, layer_ids in zip(self.layers, seconds, ids):

@@ -403,19 +403,23 @@ int64_t argmax_row(const float* l, int64_t n) {
 // Greedy decode steps in a row, in one call: a multi-step decode run (tandem.engine's
 // --num-scheduler-steps) of sequences that all sample greedily. Step s looks up the embeddings of
 // the tokens ids (step 0) or of step s - 1's argmax tokens, and the RoPE rows of their positions,
-// runs decode_layers with the experts in this process, the LM head (`head`, no bias: what
-// CausalLM.compute_logits computes) and the argmax. Between the steps nothing returns to Python,
-// whose per-token glue (the embedding, the RoPE lookup, the argument lists, the head's and the
-// sampler's dispatch) is otherwise a tenth of a token's time on a CPU.
+// runs decode_layers (experts in this process, or in the experts process over the data plane
+// connection data_fd), the LM head (`head`, no bias: what CausalLM.compute_logits computes) and
+// the argmax. Between the steps nothing returns to Python, whose per-token glue (the embedding,
+// the RoPE lookup, the argument lists, the head's and the sampler's dispatch) is otherwise a
+// tenth of a token's time on a CPU.
 // embed [V, hidden] f32; rope [2, P, head_dim] f32 (cos, then sin, of positions [0, P));
 // ids [B] int64; positions and slots [S, B] int64 (step s writes its K and V at slots[s] and
-// attends to positions[s] + 1 tokens); block_tables cover every step. Returns the tokens
-// [B, S] int64 and, per step, what decode_layers returns per layer (expert seconds and ids).
-std::tuple<at::Tensor, std::vector<std::vector<double>>, std::vector<std::vector<at::Tensor>>> decode_greedy(
+// attends to positions[s] + 1 tokens); block_tables cover every step. Each step's tokens go to
+// column s of tokens [B, S] int64 as it ends, so when a step throws (the experts process lost)
+// the columns before it hold the steps done. Returns, per step, what decode_layers returns per
+// layer (expert seconds and ids).
+std::tuple<std::vector<std::vector<double>>, std::vector<std::vector<at::Tensor>>> decode_greedy(
     const std::vector<const DecodeLayer*>& layers, const at::Tensor& embed, const at::Tensor& rope,
     const at::Tensor& ids, std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
     const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& block_tables, int64_t sliding_window,
-    const at::Tensor& final_norm, double final_eps, const Dense& head) {
+    const at::Tensor& final_norm, double final_eps, const Dense& head, at::Tensor& tokens, int64_t data_fd,
+    int64_t spin_us, int64_t timeout_ms) {
   TORCH_CHECK(!layers.empty() && layers[0] != nullptr, "decode_greedy: no layers");
   const int64_t hidden = layers[0]->hidden, D = layers[0]->head_dim;
   TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.scalar_type() == at::kFloat &&
@@ -434,6 +438,9 @@ std::tuple<at::Tensor, std::vector<std::vector<double>>, std::vector<std::vector
                   positions.size(1) == B,
               "decode_greedy: positions and slots must be contiguous int64 [steps, B]");
   const int64_t S = positions.size(0), N = head.out_features();
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous() && tokens.dim() == 2 &&
+                  tokens.size(0) == B && tokens.size(1) == S,
+              "decode_greedy: tokens must be contiguous int64 [B, steps]");
   const int64_t* pp = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < S * B; ++i)
     TORCH_CHECK(pp[i] >= 0 && pp[i] < P, "decode_greedy: position ", pp[i], " outside the RoPE table [0, ", P, ")");
@@ -443,7 +450,6 @@ std::tuple<at::Tensor, std::vector<std::vector<double>>, std::vector<std::vector
   TORCH_CHECK(N <= V, "decode_greedy: the head's ", N, " logits index past the embedding's ", V, " rows");
 
   const auto f32 = embed.options();
-  at::Tensor tokens = at::empty({B, S}, f32.dtype(at::kLong));
   int64_t* tp = tokens.data_ptr<int64_t>();
   std::vector<int64_t> current(ip, ip + B);
   std::vector<std::vector<double>> seconds;
@@ -462,13 +468,13 @@ std::tuple<at::Tensor, std::vector<std::vector<double>>, std::vector<std::vector
     const at::Tensor step_positions = positions.select(0, s);
     auto [h, layer_seconds, layer_ids] =
         decode_layers(layers, x, cos, sin, k_caches, v_caches, slots.select(0, s), block_tables, step_positions + 1,
-                      sliding_window, final_norm, final_eps, -1, 0, -1);
+                      sliding_window, final_norm, final_eps, data_fd, spin_us, timeout_ms);
     head(h, logits);
     for (int64_t b = 0; b < B; ++b) tp[b * S + s] = current[b] = argmax_row(logits.data_ptr<float>() + b * N, N);
     seconds.push_back(std::move(layer_seconds));
     expert_ids.push_back(std::move(layer_ids));
   }
-  return {tokens, std::move(seconds), std::move(expert_ids)};
+  return {std::move(seconds), std::move(expert_ids)};
 }
 
 void bind_decode_layer(pybind11::module& m) {
@@ -500,11 +506,12 @@ void bind_decode_layer(pybind11::module& m) {
         py::arg("final_norm"), py::arg("final_eps"), py::arg("data_fd") = -1, py::arg("spin_us") = 0,
         py::arg("timeout_ms") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("decode_greedy", &decode_greedy,
-        "greedy decode steps in a row, each step's argmax the next one's input, experts in this process: "
-        "(tokens [B, steps], expert seconds per step and layer, expert ids per step and layer)",
+        "greedy decode steps in a row, each step's argmax the next one's input, written to tokens [B, steps] "
+        "step by step: (expert seconds per step and layer, expert ids per step and layer)",
         py::arg("layers"), py::arg("embed"), py::arg("rope"), py::arg("ids"), py::arg("k_caches"),
         py::arg("v_caches"), py::arg("positions"), py::arg("slots"), py::arg("block_tables"),
-        py::arg("sliding_window"), py::arg("final_norm"), py::arg("final_eps"), py::arg("head"),
+        py::arg("sliding_window"), py::arg("final_norm"), py::arg("final_eps"), py::arg("head"), py::arg("tokens"),
+        py::arg("data_fd") = -1, py::arg("spin_us") = 0, py::arg("timeout_ms") = -1,
         py::call_guard<py::gil_scoped_release>());
   py::class_<Dense>(m, "Dense", "a dense projection for DecodeLayer: kind 0 f32, kind 2 int8 rows")
       .def(py::init<>())
