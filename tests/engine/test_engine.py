@@ -291,6 +291,25 @@ def test_new_requests_are_prefilled_without_waiting_for_a_run(model_dir):
     assert e.stats().kv_blocks_used[DEVICE] == 0
 
 
+def step_through_outages(e: LLMEngine, requests: dict[str, list[int]]):
+    """Greedy requests stepped to the end, retrying the steps that raise ExpertsUnavailable: the
+    tokens per request, the token counts of each step that returned, and when steps raised (how
+    many had returned before)."""
+    for rid, prompt in requests.items():
+        e.add_request(rid, prompt, GREEDY)
+    tokens, sizes, raised = {rid: [] for rid in requests}, [], []
+    while e.has_unfinished_requests():
+        try:
+            outputs = e.step()
+        except ExpertsUnavailable:
+            raised.append(len(sizes))
+            continue
+        sizes.append([len(o.new_token_ids) for o in outputs])
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    return tokens, sizes, raised
+
+
 def test_experts_unavailable_inside_a_greedy_run_keeps_the_steps_it_finished(model_dir):
     # A native greedy run writes a column of tokens as each of its steps ends. The experts process
     # lost at a run's second step keeps the first step's token; lost at the first step, the engine
@@ -308,18 +327,9 @@ def test_experts_unavailable_inside_a_greedy_run_keeps_the_steps_it_finished(mod
         return real(ids, metas, cache, tokens)
 
     e.model.greedy_steps = outages
-    e.add_request("a", prompts(1)[0], GREEDY)
-    tokens, sizes, raised = [], [], []
-    while e.has_unfinished_requests():
-        try:
-            outputs = e.step()
-        except ExpertsUnavailable:
-            raised.append(len(sizes))
-            continue
-        sizes.append([len(o.new_token_ids) for o in outputs])
-        tokens += [t for o in outputs for t in o.new_token_ids]
+    tokens, sizes, raised = step_through_outages(e, {"a": prompts(1)[0]})
     assert sizes[:3] == [[1], [1], [4]] and raised == [2] and runs[:3] == [4, 4, 4]
-    assert tokens == reference["a"][0]
+    assert tokens == {"a": reference["a"][0]}
     assert e.model.native_path.greedy_steps == GREEDY.max_tokens - 1
     assert e.stats().kv_blocks_used[DEVICE] == 0
 
@@ -341,18 +351,7 @@ def test_experts_unavailable_inside_a_run_keeps_the_tokens_so_far(model_dir):
         return real(*args)
 
     executor.forward = flaky
-    for rid, prompt in (("a", prompts(1)[0]), ("b", prompts(2)[1])):
-        e.add_request(rid, prompt, GREEDY)
-    tokens, raised, sizes = {"a": [], "b": []}, [], []
-    while e.has_unfinished_requests():
-        try:
-            outputs = e.step()
-        except ExpertsUnavailable:
-            raised.append(len(sizes))
-            continue
-        sizes.append([len(o.new_token_ids) for o in outputs])
-        for out in outputs:
-            tokens[out.request_id].extend(out.new_token_ids)
+    tokens, sizes, raised = step_through_outages(e, {"a": prompts(1)[0], "b": prompts(2)[1]})
     assert sizes[:3] == [[1, 1], [1, 1], [4, 4]] and raised == [2]
     assert tokens == {rid: reference[rid][0] for rid in "ab"}
     assert e.stats().kv_blocks_used[DEVICE] == 0
