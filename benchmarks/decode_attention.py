@@ -1,7 +1,8 @@
 """Paged decode attention on the CPU: the native kernel against the torch path it replaced.
 
     python benchmarks/decode_attention.py [--contexts 64,512,4096] [--heads 32] [--kv-heads 8] [--head-dim 128]
-                                          [--value-dim D] [--threads 2] [--batch 1] [--json out.json]
+                                          [--value-dim D] [--threads 1,2] [--batch 1] [--cold] [--rounds 7]
+                                          [--json out.json]
     # DeepSeek-V3's latent cache: 128 absorbed query heads on one 576-wide entry, value its first 512
     python benchmarks/decode_attention.py --heads 128 --kv-heads 1 --head-dim 576 --value-dim 512
 
@@ -10,7 +11,12 @@ offloaded long-context sequence meets it on the CPU tier. `torch` is `sdpa_paged
 (gather the blocks into a contiguous copy, then SDPA, or two batched GEMMs when all query heads
 share one KV head); `native` is torch.ops.tandem.paged_decode_attention (reads K and V in
 place). `paged_attention` picks native up to 16 query heads per KV head. Also prints the KV bytes
-each call must read and the GB/s that makes.
+each call must read, the GB/s that makes, and the native kernel's ns per (query head, token).
+
+Each figure is the median over --rounds rounds (torch and native alternate round by round) of
+the mean call in a round. By default the same KV is read every call, so short contexts stay in
+cache; --cold gives every call another sequence's blocks from a pool of at least 512 MB, so the
+KV comes from RAM, as it does in serving, where a step reads every layer's KV once.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -27,13 +34,18 @@ from tandem.kv.attention import AttentionMetadata, native_decode_attention, sdpa
 BS = 16
 
 
-def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
+def timed(fns: list, reps: int, rounds: int) -> list[float]:
+    """Seconds a call of each fn (fn(i) is call i), the median of `rounds` rounds that alternate the fns."""
+    for fn in fns:
+        fn(0)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, t in zip(fns, times):
+            start = time.perf_counter()
+            for i in range(reps):
+                fn(i)
+            t.append((time.perf_counter() - start) / reps)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -44,36 +56,52 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--value-dim", type=int, help="narrower values as a view of the keys (a latent cache)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", default="2", help="thread counts, comma-separated")
+    ap.add_argument("--cold", action="store_true", help="KV from RAM: every call reads other blocks")
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     kernel = native_decode_attention()
     if kernel is None:
         raise SystemExit("the native kernel is not built (python -m tandem.experts.build)")
     rows = []
-    for ctx in (int(c) for c in args.contexts.split(",")):
-        per_seq = -(-ctx // BS)
-        blocks = per_seq * args.batch
-        perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()
-        tables = [perm[i * per_seq:(i + 1) * per_seq] for i in range(args.batch)]
-        k = torch.randn(blocks, BS, args.kv_heads, args.head_dim)
-        v = k[..., :args.value_dim] if args.value_dim else torch.randn(blocks, BS, args.kv_heads, args.head_dim)
-        q = torch.randn(args.batch, args.heads, args.head_dim)
-        meta = AttentionMetadata.build([ctx - 1] * args.batch, [1] * args.batch, tables, BS, torch.device("cpu"))
-        reps = max(5, 20000 // ctx)
-        t_torch = timed(lambda: sdpa_paged_attention(q, k, v, meta, 0.1), reps)
-        t_native = timed(lambda: kernel(q, k, v, meta.block_tables, meta.seq_lens, 0.1, 0), reps)
-        kv_bytes = (1 if args.value_dim else 2) * args.batch * ctx * args.kv_heads * args.head_dim * 4
-        row = {"context": ctx, "torch_us": t_torch * 1e6, "native_us": t_native * 1e6, "speedup": t_torch / t_native,
-               "kv_mb": kv_bytes / 1e6, "native_gb_s": kv_bytes / t_native / 1e9}
-        rows.append(row)
-        print(f"context {ctx:6d}: torch {row['torch_us']:9.0f} us  native {row['native_us']:8.0f} us  "
-              f"{row['speedup']:.1f}x  ({row['kv_mb']:.1f} MB of KV, {row['native_gb_s']:.1f} GB/s)")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            rows.append(measure(kernel, ctx, threads, args))
     print(f"load average {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+def measure(kernel, ctx: int, threads: int, args) -> dict:
+    per_seq = -(-ctx // BS)
+    kv_bytes = (1 if args.value_dim else 2) * args.batch * ctx * args.kv_heads * args.head_dim * 4
+    sets = min(256, -(-512_000_000 // kv_bytes)) if args.cold else 1  # sets of sequences, one a call
+    blocks = per_seq * args.batch * sets
+    perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    k = torch.randn(blocks, BS, args.kv_heads, args.head_dim)
+    v = k[..., :args.value_dim] if args.value_dim else torch.randn(blocks, BS, args.kv_heads, args.head_dim)
+    q = torch.randn(args.batch, args.heads, args.head_dim)
+    metas = []
+    for s in range(sets):
+        tables = [perm[(s * args.batch + i) * per_seq:(s * args.batch + i + 1) * per_seq] for i in range(args.batch)]
+        metas.append(AttentionMetadata.build([ctx - 1] * args.batch, [1] * args.batch, tables, BS,
+                                             torch.device("cpu")))
+    reps = max(sets, 5, 20000 // ctx)
+    t_torch, t_native = timed([
+        lambda i: sdpa_paged_attention(q, k, v, metas[i % sets], 0.1),
+        lambda i: kernel(q, k, v, metas[i % sets].block_tables, metas[i % sets].seq_lens, 0.1, 0),
+    ], reps, args.rounds)
+    row = {"context": ctx, "threads": threads, "cold": args.cold, "torch_us": t_torch * 1e6,
+           "native_us": t_native * 1e6, "speedup": t_torch / t_native, "kv_mb": kv_bytes / 1e6,
+           "native_gb_s": kv_bytes / t_native / 1e9,
+           "native_ns_per_head_token": t_native * 1e9 / (args.batch * args.heads * ctx)}
+    print(f"threads {threads} context {ctx:6d}: torch {row['torch_us']:9.0f} us  native {row['native_us']:8.1f} us  "
+          f"{row['speedup']:.1f}x  ({row['kv_mb']:.1f} MB of KV, {row['native_gb_s']:.1f} GB/s, "
+          f"{row['native_ns_per_head_token']:.2f} ns per head and token)")
+    return row
 
 
 if __name__ == "__main__":

@@ -32,13 +32,22 @@ def scattered(lens: list[int], extra_blocks: int = 3, seed: int = 0) -> tuple[li
     return tables, num_blocks
 
 
+def decode_with_threads(kernel, threads: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return kernel(q, k, v, meta.block_tables, meta.seq_lens, scale, meta.sliding_window or 0)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, v_dim", [(8, 8, 64, 64), (12, 4, 32, 32), (16, 1, 72, 64)])
 @pytest.mark.parametrize("window", [None, 50])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_matches_the_torch_path(kernel, dtype, tol, heads, kv_heads, head_dim, v_dim, window, threads):
-    # Sequences of 1 token, part of a block, many blocks (several chunks per thread), and one
-    # ending on a block boundary.
+    # Sequences of 1 token, part of a block, many blocks and one ending on a block boundary; four
+    # sequences fill two threads, so each is one chunk (the next test splits one into chunks).
     lens = [1, 7, 3000, 64]
     tables, num_blocks = scattered(lens)
     g = torch.Generator().manual_seed(1)
@@ -49,15 +58,30 @@ def test_decode_matches_the_torch_path(kernel, dtype, tol, heads, kv_heads, head
         v = torch.randn(num_blocks, BS, kv_heads, v_dim, generator=g).to(dtype)
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
     meta = AttentionMetadata.build([n - 1 for n in lens], [1] * len(lens), tables, BS, torch.device("cpu"), window)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = kernel(q, k, v, meta.block_tables, meta.seq_lens, 0.125, window or 0)
-    finally:
-        torch.set_num_threads(before)
+    out = decode_with_threads(kernel, threads, q, k, v, meta, 0.125)
     ref = sdpa_paged_attention(q.float(), k.float(), v.float(), meta, 0.125)
     assert out.dtype == dtype and out.shape == (len(lens), heads, v_dim)
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, v_dim", [
+    (4, 2, 8, 8),  # narrower than one vector: all scalar tails
+    (6, 3, 88, 88),  # full tiles of values, then single vectors, then a scalar tail (by build)
+    (32, 1, 576, 512),  # MLA's latent cache: a wide group on one KV head, values a view of the keys
+])
+@pytest.mark.parametrize("lens, threads", [([3000], 2), ([5, 1100], 1)])  # [3000]: split into chunks, merged
+@pytest.mark.parametrize("window", [None, 690])
+def test_decode_matches_the_torch_path_over_head_shapes_and_chunks(kernel, heads, kv_heads, head_dim, v_dim, lens,
+                                                                   threads, window):
+    tables, num_blocks = scattered(lens, seed=2)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(num_blocks, BS, kv_heads, head_dim, generator=g)
+    v = k[..., :v_dim] if v_dim < head_dim else torch.randn(num_blocks, BS, kv_heads, v_dim, generator=g)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    meta = AttentionMetadata.build([n - 1 for n in lens], [1] * len(lens), tables, BS, torch.device("cpu"), window)
+    out = decode_with_threads(kernel, threads, q, k, v, meta, head_dim ** -0.5)
+    ref = sdpa_paged_attention(q, k, v, meta, head_dim ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
 
 
 def test_float32_decode_steps_take_the_kernel_and_the_rest_the_torch_path(kernel, monkeypatch):

@@ -16,128 +16,26 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attention_blocks.h"
 #include "ops.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
+using tandem::attention::block_scores;
+using tandem::attention::block_values;
+using tandem::attention::softmax_rows;
+
 constexpr int kMaxGroup = 1024;  // query heads per KV head (MLA: every head shares one)
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
-
-// The hot loops, compiled for AVX-512, AVX2 and baseline x86-64; the loader picks one at run
-// time. They vectorize without -ffast-math: GCC vector types for the dot products, `omp simd`
-// for the rest.
-
-// q . k over D numbers. With D a multiple of 16 (every head size in use), in GCC vector types
-// (one zmm, two ymm or four xmm, by the clone) reduced pairwise at the end: a plain `omp simd
-// reduction` ends each dot in 15 dependent scalar adds through memory, which took most of this
-// kernel's time at a head size of 64.
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-
-inline float dot(const float* __restrict q, const float* __restrict k, int64_t D) {
-  if (D % 16 == 0) {
-    v16f acc = {};
-    for (int64_t i = 0; i < D; i += 16) {
-      v16f a, b;
-      std::memcpy(&a, q + i, sizeof a);
-      std::memcpy(&b, k + i, sizeof b);
-      acc += a * b;
-    }
-    const v8f h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4f h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-  }
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < D; ++i) sum += q[i] * k[i];
-  return sum;
-}
-
-// Calls fn(t, h, row) for each of a block's tokens t < n and each query head h < Hkv * g, `row`
-// being the KV row (t, h / g): rows + t * row_stride + (h / g) * kv_stride. A token's row holds
-// every KV head, so the block is read in address order; `next`, when set, is the same row of the
-// next block, asked for (row_bytes of it) a row at a time while this block is computed (the
-// pool's blocks sit anywhere, so the hardware prefetchers stop at each block's end). Inlined,
-// with fn, into each clone of its callers.
-template <class Fn>
-__attribute__((always_inline)) inline void each_row(const float* rows, int64_t row_stride, int64_t kv_stride,
-                                                    int64_t Hkv, int64_t g, int64_t n, const char* next,
-                                                    int64_t row_bytes, Fn&& fn) {
-  for (int64_t t = 0; t < n; ++t) {
-    if (next)
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + t * row_stride * sizeof(float) + off);
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-      const float* row = rows + t * row_stride + kvh * kv_stride;
-      for (int64_t j = 0; j < g; ++j) fn(t, kvh * g + j, row);
-    }
-  }
-}
-
-// One block's scores: s[h * s_stride + t] = q_h . k_(t, h / g) for every query head h < Hkv * g
-// and the block's t < n tokens, the block walked by each_row.
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void block_scores(const float* q, int64_t Hkv, int64_t g, int64_t D, const float* k, int64_t k_stride,
-                  int64_t kv_stride, int64_t n, const char* next, int64_t row_bytes, float* s, int64_t s_stride) {
-  each_row(k, k_stride, kv_stride, Hkv, g, n, next, row_bytes,
-           [&](int64_t t, int64_t h, const float* kt) __attribute__((always_inline)) {
-             s[h * s_stride + t] = dot(q + h * D, kt, D);
-           });
-}
-
-// s[t] = exp(s[t] - m) for t < n, returning their sum. exp is Cephes' expf (range reduction by
-// ln 2 in two parts, a degree-5 polynomial, the power of two built in the exponent bits): within
-// 2 ulp of libm for the arguments softmax gives it (<= 0), and it vectorizes where a call to
-// libm's scalar expf per score does not.
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
-float exp_shifted(float* s, int64_t n, float m) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    const float x = std::max(s[t] - m, -87.f);  // below, exp underflows; e^-87 ~ 1.6e-38 is as good as 0
-    const float k = std::nearbyint(x * 1.44269504088896341f);
-    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float two_k;
-    std::memcpy(&two_k, &bits, sizeof two_k);
-    s[t] = p * two_k;
-    sum += s[t];
-  }
-  return sum;
-}
-
-// One block's values: acc_h += sum_t p[h * p_stride + t] * v_(t, h / g) for every query head h
-// (acc_h at acc + h * Dv), the block walked by each_row as in block_scores.
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void block_values(float* acc, int64_t Hkv, int64_t g, int64_t Dv, const float* v, int64_t v_stride,
-                  int64_t kv_stride, int64_t n, const char* next, int64_t row_bytes, const float* p,
-                  int64_t p_stride) {
-  each_row(v, v_stride, kv_stride, Hkv, g, n, next, row_bytes,
-           [&](int64_t t, int64_t h, const float* vt) __attribute__((always_inline)) {
-             float* a = acc + h * Dv;
-             const float w = p[h * p_stride + t];
-#pragma omp simd
-             for (int64_t i = 0; i < Dv; ++i) a[i] += w * vt[i];
-           });
-}
 
 // A block's rows [n] of `heads` vectors of `width` (row stride `stride`, head stride
 // `head_stride` elements) as float32: in place for float caches (strides unchanged), else
@@ -147,7 +45,8 @@ inline const float* rows_as_float(const T* src, int64_t stride, int64_t head_str
                                   int64_t width, float* buf, int64_t* out_stride, int64_t* out_head_stride) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < width; ++i) buf[(t * heads + h) * width + i] = to_float(src[t * stride + h * head_stride + i]);
+      for (int64_t i = 0; i < width; ++i)
+        buf[(t * heads + h) * width + i] = to_float(src[t * stride + h * head_stride + i]);
   *out_stride = heads * width;
   *out_head_stride = width;
   return buf;
@@ -179,6 +78,16 @@ struct Partials {
   int64_t chunks, heads, width;  // width = Dv + 2: acc, then m, then l
   float* at(int64_t b, int64_t c, int64_t h) const { return data + ((b * chunks + c) * heads + h) * width; }
 };
+
+// Scratch of at least `size` floats that outlives the call, one per thread and slot (0: the
+// caller's partials, 1: a worker's buffers): decode attention runs for every layer at every step
+// with buffers of the same sizes.
+float* scratch(int slot, int64_t size) {
+  static thread_local std::vector<float> buffers[2];
+  std::vector<float>& buf = buffers[slot];
+  if (static_cast<int64_t>(buf.size()) < size) buf.resize(size);
+  return buf.data();
+}
 
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
@@ -214,20 +123,24 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   chunk_blocks = std::min(chunk_blocks, std::max<int64_t>(1, 65536 / (H * bs)));
   const int64_t chunks = (max_blocks + chunk_blocks - 1) / chunk_blocks, chunk_tokens = chunk_blocks * bs;
   // One chunk: each item finishes its heads. Several: partials, merged below.
-  std::vector<float> storage(chunks > 1 ? B * chunks * H * (Dv + 2) : 0);
-  const Partials part{storage.data(), chunks, H, Dv + 2};
+  const Partials part{chunks > 1 ? scratch(0, B * chunks * H * (Dv + 2)) : nullptr, chunks, H, Dv + 2};
 
   at::parallel_for(0, B * chunks, 1, [&](int64_t w0, int64_t w1) {
     constexpr bool in_place = std::is_same_v<T, float>;  // float blocks are read where they lie
-    std::vector<float> qf(H * D), s(H * chunk_tokens), kbuf(in_place ? 0 : bs * Hkv * D),
-        vbuf(in_place ? 0 : bs * Hkv * Dv);
-    std::vector<float> acc(H * Dv), m(H), l(H);
+    const int64_t kbuf_size = in_place ? 0 : bs * Hkv * D, vbuf_size = in_place ? 0 : bs * Hkv * Dv;
+    float* const qf = scratch(1, H * D + H * chunk_tokens + kbuf_size + vbuf_size + H * Dv + 2 * H);
+    float* const s = qf + H * D;
+    float* const kbuf = s + H * chunk_tokens;
+    float* const vbuf = kbuf + kbuf_size;
+    float* const acc = vbuf + vbuf_size;
+    float* const m = acc + H * Dv;
+    float* const l = m + H;
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / chunks, c = w % chunks, len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t lo = std::max(first, c * chunk_tokens), hi = std::min(len, (c + 1) * chunk_tokens);
       const int64_t n = std::max<int64_t>(0, hi - lo);
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill_n(acc, H * Dv, 0.f);
       for (int64_t h = 0; h < H; ++h) {
         const T* src = qp + b * qs0 + h * qs1;
         for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(src[i]) * fscale;
@@ -246,20 +159,21 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           pos += rows;
         }
       };
-      each_block(kp, ks0, ks1, ks2, D, kbuf.data(),  // scores: s[h * chunk_tokens + (token - lo)]
+      each_block(kp, ks0, ks1, ks2, D, kbuf,  // scores: s[h * chunk_tokens + (token - lo)]
                  [&](const float* kf, int64_t rs, int64_t hs, int64_t rows, const char* next, int64_t off) {
-                   block_scores(qf.data(), Hkv, group, D, kf, rs, hs, rows, next, Hkv * D * sizeof(float),
-                                s.data() + off, chunk_tokens);
+                   block_scores(qf, Hkv, group, D, kf, rs, hs, rows, next, Hkv * D * sizeof(float),
+                                s + off, chunk_tokens);
                  });
-      for (int64_t h = 0; h < H; ++h) {
-        float* sh = s.data() + h * chunk_tokens;
-        m[h] = n > 0 ? *std::max_element(sh, sh + n) : neg_inf;
-        l[h] = n > 0 ? exp_shifted(sh, n, m[h]) : 0.f;
+      if (n > 0) {
+        softmax_rows(s, H, chunk_tokens, n, m, l);
+      } else {
+        std::fill_n(m, H, neg_inf);
+        std::fill_n(l, H, 0.f);
       }
-      each_block(vp, vs0, vs1, vs2, Dv, vbuf.data(),
+      each_block(vp, vs0, vs1, vs2, Dv, vbuf,
                  [&](const float* vf, int64_t rs, int64_t hs, int64_t rows, const char* next, int64_t off) {
-                   block_values(acc.data(), Hkv, group, Dv, vf, rs, hs, rows, next, Hkv * Dv * sizeof(float),
-                                s.data() + off, chunk_tokens);
+                   block_values(acc, Hkv, group, Dv, vf, rs, hs, rows, next, Hkv * Dv * sizeof(float),
+                                s + off, chunk_tokens);
                  });
       for (int64_t h = 0; h < H; ++h) {
         if (chunks == 1) {  // the whole sequence: normalise into out
@@ -268,7 +182,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           for (int64_t i = 0; i < Dv; ++i) dst[i] = static_cast<T>(acc[h * Dv + i] * inv);
         } else {  // empty chunks (m = -inf, past the end or before the window) merge to nothing
           float* ph = part.at(b, c, h);
-          std::copy_n(acc.data() + h * Dv, Dv, ph);
+          std::copy_n(acc + h * Dv, Dv, ph);
           ph[Dv] = m[h];
           ph[Dv + 1] = l[h];
         }
@@ -281,12 +195,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // (short-context decode) are a few microseconds' work: done inline rather than waking a worker.
   const int64_t merge_grain = std::max<int64_t>(16, 16384 / (chunks * (Dv + 2)));
   at::parallel_for(0, B * H, merge_grain, [&](int64_t w0, int64_t w1) {
-    std::vector<float> acc(Dv);
+    float* const acc = scratch(1, Dv);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / H, h = w % H;
       float m = neg_inf, l = 0.f;
       for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part.at(b, c, h)[Dv]);
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill_n(acc, Dv, 0.f);
       if (m > neg_inf) {
         for (int64_t c = 0; c < chunks; ++c) {
           const float* ph = part.at(b, c, h);
