@@ -77,8 +77,9 @@ class ModelRunner:
 
         The steps' attention metadata is built once, and the sampled ids stay a tensor until the
         end. When every sequence samples greedily and nothing watches the logits, the model may run
-        all the steps in one native call (`CausalLM.greedy_steps`). When the experts become unavailable after the first step, the tokens sampled so far
-        are returned (the next step meets the outage again and stays pending, see LLMEngine.step)."""
+        all the steps in one native call (`CausalLM.greedy_steps`). When the experts become
+        unavailable after the first step, the tokens sampled so far are returned (the next step
+        meets the outage again and stays pending, see LLMEngine.step)."""
         steps = scheduled[0].num_steps
         if any(s.num_steps != steps or s.tier != DEVICE or len(s.token_ids) != 1 for s in scheduled):
             raise ValueError("a multi-step decode takes one token of every sequence, all on the device tier, "

@@ -21,6 +21,10 @@ Where the experts run decides how much one call does:
   (`decode_layers` with the connection); without a data plane connection (gRPC only), as below;
 - anywhere else (the torch kernels, a patched `forward`): the native call stops at the router and
   the layer's executor is called with its output.
+
+When the whole step is one call and every sequence samples greedily, the engine's decode steps
+(a multi-step run, or a single step) are one call too (`greedy`, `decode_greedy`): the embedding,
+the layers, the LM head and the argmax of every step, each token fed to the next step.
 """
 
 from __future__ import annotations
@@ -163,7 +167,8 @@ class NativeDecode:
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
         self.final_eps = float(model.model.norm.eps)
         kernel = native.load_kernel()
-        self.rms_norm, self.decode_layers, self.decode_greedy = kernel.rms_norm, kernel.decode_layers, kernel.decode_greedy
+        self.rms_norm, self.decode_layers = kernel.rms_norm, kernel.decode_layers
+        self.decode_greedy = kernel.decode_greedy
         # Every layer's experts inside its native call, or every layer's in the one experts process
         # over the data plane: the whole step is one call (decode_layers).
         remotes = {id(layer.remote): layer.remote for layer in self.layers}
@@ -174,7 +179,7 @@ class NativeDecode:
         limits = [layer.max_tokens for layer in self.layers]
         limits += [m.kernel.prefill_tokens for m in model.modules() if isinstance(m, Int8Linear)]
         self.max_tokens = min(limits)
-        self.embed = emb.detach()
+        self.embed = emb.detach().contiguous()
         self.head = _head(model)  # None: the greedy runs (`greedy`) are off, each step samples in Python
         self.steps = 0  # steps served (tests check the path was taken)
         self.greedy_steps = 0  # of which in greedy runs
