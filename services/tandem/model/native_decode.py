@@ -205,14 +205,11 @@ class NativeDecode:
             args = (self.natives, x, cos, sin, [layer_kv.device["k"] for layer_kv in kv],
                     [layer_kv.device["v"] for layer_kv in kv], meta.slot_mapping, meta.block_tables, meta.seq_lens,
                     window, self.final_norm, self.final_eps)
-            if self.remote is None:
-                return self._observed(*self.decode_layers(*args))
-            with self.remote.data_plane_calls() as plane:
-                if plane is not None:
-                    out, seconds, ids = self.decode_layers(*args, *plane)
-                    for s in seconds:
-                        self.remote.record_call(s)
-                    return self._observed(out, seconds, ids)
+            done = self._one_call(self.decode_layers, *args)
+            if done is not None:
+                out, seconds, ids = done
+                self._observed(seconds, ids)
+                return out
         for layer, layer_kv in zip(self.layers, kv):  # no data plane connection: Forward over gRPC
             layer(x, cos, sin, layer_kv, meta, window)
         return self.rms_norm(x, self.final_norm, self.final_eps)
@@ -233,27 +230,34 @@ class NativeDecode:
         args = (self.natives, self.embed, rope, ids, [layer_kv.device["k"] for layer_kv in kv],
                 [layer_kv.device["v"] for layer_kv in kv], positions, slots, block_tables, window, self.final_norm,
                 self.final_eps, self.head, tokens)
-        steps = positions.shape[0]
-        if self.remote is None:
-            seconds, ids_per_step = self.decode_greedy(*args)
-        else:
-            with self.remote.data_plane_calls() as plane:
-                if plane is None:
-                    return False
-                seconds, ids_per_step = self.decode_greedy(*args, *plane)
-            for s in (s for step_seconds in seconds for s in step_seconds):
-                self.remote.record_call(s)
-        self.steps += steps
-        self.greedy_steps += steps
+        done = self._one_call(self.decode_greedy, *args)
+        if done is None:
+            return False
+        seconds, ids_per_step = done
+        self.steps += positions.shape[0]
+        self.greedy_steps += positions.shape[0]
         for step_seconds, step_ids in zip(seconds, ids_per_step):
-            self._observed(None, step_seconds, step_ids)
+            self._observed(step_seconds, step_ids)
         return True
 
-    def _observed(self, out: torch.Tensor, seconds: list[float], ids: list[torch.Tensor]) -> torch.Tensor:
+    def _one_call(self, fn, *args):
+        """fn(*args), a native call over every layer, with the experts in this process; with them in
+        the experts process, fn(*args, *plane) over the data plane connection, or None (nothing run)
+        when there is none (Forward goes over gRPC)."""
+        if self.remote is None:
+            return fn(*args)
+        with self.remote.data_plane_calls() as plane:
+            return None if plane is None else fn(*args, *plane)
+
+    def _observed(self, seconds: list[float], ids: list[torch.Tensor]) -> None:
+        """One step's expert calls, a layer each, made inside a native call: the data plane client
+        records them (split deployment), and the watching wrappers see them."""
+        if self.remote is not None:
+            for s in seconds:
+                self.remote.record_call(s)
         for layer, layer_seconds, layer_ids in zip(self.layers, seconds, ids):
             for observe in layer.observers:
                 observe(layer.moe_layer, layer_ids, layer_seconds)
-        return out
 
 
 def _head(model: nn.Module):
