@@ -8,6 +8,7 @@ touched (measured, per layer) plus every other weight (attention, dense, router,
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -173,7 +174,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--concurrency", default="1,4,8", help="comma-separated stream counts")
     p.add_argument("--mode", choices=["embedded", "split"], default="embedded",
                    help="split: experts in a `serve --role experts` process on cores disjoint from this "
-                        "one's, measured against embedded in the same run")
+                        "one's, measured against embedded in the same run (see --rounds)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="--mode split: alternating single-stream decode rounds of embedded and split, the ratio "
+                        "is their median")
     p.add_argument("--split-cores", choices=["disjoint", "shared"], default="disjoint",
                    help="--mode split: disjoint cores per process (default; 2 cores split 1 + 1), or both "
                         "processes on every core, taking turns")
@@ -195,8 +199,8 @@ def cmd_bench(args) -> int:
         concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
         raise UsageError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
-    if args.prompt_len < 1 or args.gen_len < 2 or any(c < 1 for c in concurrency):
-        raise UsageError("--prompt-len must be >= 1, --gen-len >= 2 and every concurrency >= 1")
+    if args.prompt_len < 1 or args.gen_len < 2 or args.rounds < 1 or any(c < 1 for c in concurrency):
+        raise UsageError("--prompt-len must be >= 1, --gen-len >= 2, --rounds >= 1 and every concurrency >= 1")
     bandwidth = None
     if not args.no_bandwidth:
         from tandem.bench import measure_read_bandwidth
@@ -205,27 +209,29 @@ def cmd_bench(args) -> int:
     if args.mode == "split":
         result = bench_split(args, concurrency, bandwidth)
     else:
-        result, _ = bench_engine(args, concurrency, bandwidth)
+        result = bench_engine(args, concurrency, bandwidth)
     result["mode"] = args.mode
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
 
-def bench_engine(args, concurrency: list[int], bandwidth: dict | None,
-                 bytes_per_expert: dict[int, int] | None = None) -> tuple[dict, dict[int, int]]:
-    """Build the engine from the flags and bench it; also returns the expert bytes it counted with."""
-    import gc
-
+def bench_engine(args, concurrency: list[int], bandwidth: dict | None) -> dict:
+    """Build the engine from the flags and bench it."""
     from tandem.cli import build_engine
 
     engine = build_engine(args)
     try:
-        bytes_per_expert = bytes_per_expert or expert_bytes(engine)
-        traffic = instrument(engine, bytes_per_expert)
-        return bench(engine, args.prompt_len, args.gen_len, concurrency, bandwidth, traffic), bytes_per_expert
+        return bench_built(engine, args, concurrency, bandwidth, expert_bytes(engine))
     finally:
         del engine
-        gc.collect()  # free this engine's weights before the next one loads
+        gc.collect()  # free its weights now, not whenever the collector runs
+
+
+def bench_built(engine, args, concurrency: list[int], bandwidth: dict | None,
+                bytes_per_expert: dict[int, int]) -> dict:
+    """`bench` an engine already built, counting its expert traffic at `bytes_per_expert`."""
+    traffic = instrument(engine, bytes_per_expert)
+    return bench(engine, args.prompt_len, args.gen_len, concurrency, bandwidth, traffic)
 
 
 def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
@@ -248,8 +254,13 @@ def pin_process(cores: list[int]) -> None:
 
 
 def bench_split(args, concurrency: list[int], bandwidth: dict | None) -> dict:
-    """Embedded first (all cores), then the split pair, in one run: the per-token ratio between
-    them is the cost of the split deployment on this machine.
+    """Embedded (all cores) against the split pair, both loaded in one run: the per-token ratio
+    between them is the cost of the split deployment on this machine.
+
+    Each engine is benched in full first (the split one's report at the top level, embedded's under
+    "embedded"). Then `--rounds` rounds decode one fresh prompt on each, taking turns at going
+    first, so that load drifting on a noisy machine favours neither: `split_vs_embedded_decode` is
+    the median of the rounds' ratios, each round in "rounds".
 
     Disjoint cores are what Kubernetes' static CPU manager gives the pod's two containers. On
     shared cores the processes take turns: attention, the experts of that layer, the next layer's
@@ -258,7 +269,7 @@ def bench_split(args, concurrency: list[int], bandwidth: dict | None) -> dict:
     wait too (experts/csrc/data_plane.cpp), rather than sleeping: a sleeping core is slow to wake
     (most of all a VM's). The polling threads yield their core at every turn, so on shared cores
     the process whose turn it is gets both."""
-    from tandem.cli import UsageError
+    from tandem.cli import UsageError, build_engine
 
     all_cores = sorted(os.sched_getaffinity(0))
     if args.split_cores == "shared":
@@ -268,29 +279,67 @@ def bench_split(args, concurrency: list[int], bandwidth: dict | None) -> dict:
             attention_cores, expert_cores = split_cores(all_cores)
         except ValueError as exc:
             raise UsageError(f"--mode split: {exc}") from None
-    attention_threads, spin_us = len(attention_cores), args.spin_us
-    threads = torch.get_num_threads()  # the embedded run's executor sets its own; restored below
-    embedded, bytes_per_expert = bench_engine(args, concurrency, bandwidth)
-    experts_proc, args.expert_executor = start_split_experts(args, expert_cores, spin_us)
-    pin_process(attention_cores)
-    torch.set_num_threads(attention_threads)
+    spin_us = args.spin_us
+    threads = torch.get_num_threads()  # the embedded engine's executor sets its own; restored below
+    embedded_engine = split_engine = experts_proc = None
     try:
-        result, _ = bench_engine(args, concurrency, bandwidth, bytes_per_expert)
-        attention_threads = torch.get_num_threads()  # as it ran (the engine could have changed it)
+        embedded_engine = build_engine(args)
+        embedded_threads = torch.get_num_threads()  # as its executor set them
+        bytes_per_expert = expert_bytes(embedded_engine)
+        embedded = bench_built(embedded_engine, args, concurrency, bandwidth, bytes_per_expert)
+        experts_proc, args.expert_executor = start_split_experts(args, expert_cores, spin_us)
+        run_on(attention_cores, len(attention_cores))
+        split_engine = build_engine(args)
+        attention_threads = torch.get_num_threads()  # as it runs (the engine could have changed it)
+        result = bench_built(split_engine, args, concurrency, bandwidth, bytes_per_expert)
+        rounds = decode_rounds({"embedded": (embedded_engine, all_cores, embedded_threads),
+                                "split": (split_engine, attention_cores, attention_threads)},
+                               args.rounds, args.prompt_len, args.gen_len)
     finally:
         args.expert_executor = None
-        pin_process(all_cores)
-        torch.set_num_threads(threads)
-        experts_proc.terminate()
-        experts_proc.wait(timeout=30)
+        run_on(all_cores, threads)
+        if experts_proc is not None:
+            experts_proc.terminate()
+            experts_proc.wait(timeout=30)
+        del embedded_engine, split_engine
+        gc.collect()  # free both engines' weights now
+    ratios = [r["ratio"] for r in rounds]
     result["cores"] = {"attention": attention_cores, "experts": expert_cores, "split": args.split_cores,
                        "attention_threads": attention_threads, "spin_us": spin_us}
     result["embedded"] = {k: embedded[k] for k in ("prefill_tok_s", "decode_tok_s", "itl_p50_s", "concurrency")}
-    result["split_vs_embedded_decode"] = result["decode_tok_s"] / embedded["decode_tok_s"]
+    result["rounds"] = rounds
+    result["split_vs_embedded_decode"] = statistics.median(ratios)
     print(f"split ({args.split_cores}): attention on cores {attention_cores}, experts on cores {expert_cores}; decode "
-          f"{result['decode_tok_s']:.1f} tok/s = {result['split_vs_embedded_decode']:.2f}x embedded "
-          f"({embedded['decode_tok_s']:.1f} tok/s on all {len(all_cores)} cores)", file=sys.stderr)
+          f"{result['split_vs_embedded_decode']:.2f}x embedded (on all {len(all_cores)} cores), the median of "
+          f"{len(rounds)} alternating rounds ({min(ratios):.2f}x to {max(ratios):.2f}x); full runs: split "
+          f"{result['decode_tok_s']:.1f} tok/s, embedded {embedded['decode_tok_s']:.1f} tok/s", file=sys.stderr)
     return result
+
+
+def decode_rounds(sides: dict[str, tuple], rounds: int, prompt_len: int, gen_len: int) -> list[dict]:
+    """`rounds` single-stream greedy decodes of a fresh prompt on each side, {"embedded": (engine,
+    cores, threads), "split": (...)}, each on its own cores and threads; the side that goes first
+    alternates, so that load drifting during a round favours neither."""
+    vocab = sides["embedded"][0].model_config.vocab_size
+    g = torch.Generator().manual_seed(1)  # not bench's prompts: those are in the prefix cache
+    measured = []
+    for r in range(rounds):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        tok_s = {}
+        for name in ("embedded", "split") if r % 2 == 0 else ("split", "embedded"):
+            engine, cores, threads = sides[name]
+            run_on(cores, threads)
+            itl = run_requests(engine, [prompt], gen_len)["itl"]
+            tok_s[name] = len(itl) / sum(itl)
+        measured.append({"embedded_decode_tok_s": tok_s["embedded"], "split_decode_tok_s": tok_s["split"],
+                         "ratio": tok_s["split"] / tok_s["embedded"]})
+    return measured
+
+
+def run_on(cores: list[int], threads: int) -> None:
+    """Move this process onto `cores`, with `threads` torch threads."""
+    pin_process(cores)
+    torch.set_num_threads(threads)
 
 
 def start_split_experts(args, cores: list[int], spin_us: int = 0):

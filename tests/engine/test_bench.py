@@ -63,22 +63,46 @@ def test_split_cores_are_disjoint_and_favour_the_experts():
 def test_split_bench_pins_cores_passes_quant_and_compares_with_embedded(demo_model_dir, capsys, monkeypatch, split):
     import os
     import subprocess
+    import weakref
+
+    import tandem.cli
+    import tandem.engine_bench
+    from tandem.experts.cores import available_cores
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("split mode needs 2 cores")
-    started = []
+    started, procs = [], []
     real_popen = subprocess.Popen
 
     def recording_popen(cmd, *a, **kw):
+        proc = real_popen(cmd, *a, **kw)
         if isinstance(cmd, list) and cmd and str(cmd[0]).endswith("taskset"):  # not a kernel build's ninja
             started.append((cmd, kw.get("env")))
-        return real_popen(cmd, *a, **kw)
+            procs.append(proc)
+        return proc
+
+    # Which engine each decode ran on, and on which cores and threads: the process's, as run_requests saw them.
+    side_of, engines, runs = {}, [], []
+    real_build, real_run = tandem.cli.build_engine, tandem.engine_bench.run_requests
+
+    def recording_build(args):
+        engine = real_build(args)
+        side_of[id(engine)] = "split" if getattr(args, "expert_executor", None) else "embedded"
+        engines.append(weakref.ref(engine))
+        return engine
+
+    def recording_run(engine, prompts, gen_len):
+        run = real_run(engine, prompts, gen_len)
+        runs.append((side_of[id(engine)], sorted(os.sched_getaffinity(0)), torch.get_num_threads(), run["itl"]))
+        return run
 
     monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    monkeypatch.setattr(tandem.cli, "build_engine", recording_build)
+    monkeypatch.setattr(tandem.engine_bench, "run_requests", recording_run)
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     assert main(["bench", "--model", str(demo_model_dir("mixtral")), "--prompt-len", "6", "--gen-len", "3",
                  "--concurrency", "1", "--device", "cpu", "--mode", "split", "--split-cores", split,
-                 "--expert-quant", "int8", "--no-bandwidth", "--json"]) == 0
+                 "--expert-quant", "int8", "--no-bandwidth", "--rounds", "3", "--json"]) == 0
     out, err = capsys.readouterr()
     report = json.loads(out)
     attention, experts = report["cores"]["attention"], report["cores"]["experts"]
@@ -94,9 +118,32 @@ def test_split_bench_pins_cores_passes_quant_and_compares_with_embedded(demo_mod
     assert cmd[cmd.index("-c") + 1] == ",".join(map(str, experts))  # taskset pins the experts process
     assert cmd[cmd.index("--expert-quant") + 1] == "int8"
     assert cmd[cmd.index("--threads") + 1] == str(len(experts))
-    assert report["split_vs_embedded_decode"] == report["decode_tok_s"] / report["embedded"]["decode_tok_s"]
-    assert "x embedded" in err
+    # every decode, the full benches' and the rounds', ran on its side's cores with its side's threads
+    places = {"embedded": (sorted(affinity), available_cores()), "split": (attention, len(attention))}
+    assert all((cores, n) == places[side] for side, cores, n, _ in runs)
+    # the full benches first, embedded then split, then the rounds, each on both sides, taking turns at going first
+    full = [side for side, *_ in runs[:-6]]
+    assert full and full == ["embedded"] * (len(full) // 2) + ["split"] * (len(full) // 2)
+    assert [side for side, *_ in runs[-6:]] == ["embedded", "split", "split", "embedded", "embedded", "split"]
+    measured = {}
+    for i, (side, _, _, itl) in enumerate(runs[-6:]):
+        measured[i // 2, side] = len(itl) / sum(itl)
+    assert len(report["rounds"]) == 3
+    for i, r in enumerate(report["rounds"]):
+        assert r["embedded_decode_tok_s"] == measured[i, "embedded"] and r["split_decode_tok_s"] == measured[i, "split"]
+        assert r["ratio"] == r["split_decode_tok_s"] / r["embedded_decode_tok_s"]
+    ratios = sorted(r["ratio"] for r in report["rounds"])
+    assert report["split_vs_embedded_decode"] == ratios[1]  # the median of three
+    assert "x embedded" in err and "median of 3 alternating rounds" in err
     assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads  # restored
+    assert procs[0].poll() is not None  # the experts process is gone
+    assert len(engines) == 2 and all(engine() is None for engine in engines)  # both engines freed
+
+
+def test_bench_rejects_zero_rounds(demo_model_dir, capsys):
+    assert main(["bench", "--model", str(demo_model_dir("mixtral")), "--mode", "split", "--rounds", "0",
+                 "--no-bandwidth"]) == 2
+    assert "--rounds >= 1" in capsys.readouterr().err
 
 
 def test_multi_step_runs_count_one_gap_per_token(demo_model_dir):
