@@ -121,6 +121,8 @@ def test_decode_layer_rejects_bad_input_and_leaves_the_cache_alone(demo_model_di
     with pytest.raises(RuntimeError, match="x must be contiguous f32"):
         layer.forward(torch.randn(1, cfg.hidden_size + 1), cos, sin, k_cache, v_cache,
                       torch.zeros(1, dtype=torch.long), tables, lens, 0)
+    with pytest.raises(RuntimeError, match="caches must be f32 or bf16"):
+        layer.forward(x, cos, sin, k_cache.half(), v_cache.half(), torch.zeros(1, dtype=torch.long), tables, lens, 0)
     before = x.clone()
     with pytest.raises(RuntimeError, match="slot 64 outside the cache"):
         layer.forward(x, cos, sin, k_cache, v_cache, torch.tensor([64]), tables, lens, 0)
@@ -169,21 +171,26 @@ def test_one_call_for_all_layers_matches_the_layer_by_layer_calls(demo_model_dir
                              slots, tables, lens, 0, path.final_norm, path.final_eps)
 
 
-def test_greedy_runs_give_the_tokens_of_sampling_each_step_in_python(demo_model_dir):
-    # int8 dense layers and head, int4 experts, a batch of three in runs of up to 4 steps: the native
-    # greedy run's head and argmax pick what the Python sampler picks from the same kernels' logits.
+@pytest.mark.parametrize("dtype, quant, tied, head_kind", [
+    ("float32", ("int4", "int8"), False, native.KIND_INT8),  # int8 dense layers and head, int4 experts
+    ("bfloat16", ("none", "none"), False, native.KIND_BF16),  # bf16 throughout
+    ("bfloat16", ("int8", "none"), True, native.KIND_BF16),  # the bf16 embedding as the head
+])
+def test_greedy_runs_give_the_tokens_of_sampling_each_step_in_python(dtype, quant, tied, head_kind, demo_model_dir):
+    # A batch of three in runs of up to 4 steps: the native greedy run's embedding lookup, head and
+    # argmax pick what the Python sampler picks from the same kernels' logits.
     prompts = [[5, 6, 7], [9, 4, 7, 1, 3], [11]]
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    model_dir = demo_model_dir("mixtral", **({"tie_word_embeddings": True} if tied else {}))
     tokens = {}
     for greedy_runs in (True, False):
-        e = LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu", dtype="float32",
-                                      config=EngineConfig(num_scheduler_steps=4), expert_quant="int4",
-                                      dense_quant="int8")
+        e = LLMEngine.from_pretrained(model_dir, device="cpu", dtype=dtype, config=EngineConfig(num_scheduler_steps=4),
+                                      expert_quant=quant[0], dense_quant=quant[1])
         if not greedy_runs:
             e.runner.logits_hook = lambda rid, row: None  # something watches the logits: sampled in Python
         tokens[greedy_runs] = [r.token_ids for r in e.generate(prompts, params)]
         path = e.model.native_path
-        assert path.head.kind == native.KIND_INT8 and path.steps > 0
+        assert path.head.kind == head_kind and path.steps > 0
         assert path.greedy_steps == (path.steps if greedy_runs else 0)
     assert tokens[True] == tokens[False]
 

@@ -73,18 +73,21 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 step: StepAttention, max_position: int | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, H]. `max_position`, the largest of
-        the positions when the caller knows it, lets RoPE look its values up in a table.
+        """input_ids, positions [T] -> final hidden states [T, H]: in the model's dtype, or float32 when
+        the native decode path ran the step. `max_position`, the largest of the positions when the
+        caller knows it, lets RoPE look its values up in a table.
 
         Tokens come device-tier sequences first, then CPU-tier ones (see `tandem.kv.tiered`)."""
         x = self.model.embed_tokens(input_ids)  # [T, H]
         if max_position is not None:
             self.rotary.reserve(max_position + 1, positions.device)
-        cos_sin = self.rotary.cos_sin(positions, x.dtype, max_position)
         kv = [LayerKV.of(cache, i) for i in range(len(self.model.layers))]
         fused = self._native_path() if self.native_decode else None
         if fused is not None and fused.serves(step, x.shape[0]):
-            return fused.forward(x, cos_sin, kv, step)  # the final norm included
+            # float32 hidden states whatever the weights' dtype; the final norm included
+            cos_sin = self.rotary.cos_sin(positions, torch.float32, max_position)
+            return fused.forward(x.float(), cos_sin, kv, step)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype, max_position)
         for layer, layer_kv in zip(self.model.layers, kv):
             x = layer(x, cos_sin, layer_kv, step)
         return self.model.norm(x)
@@ -127,18 +130,20 @@ class CausalLM(nn.Module):
         A decode step's head is a GEMV over the largest dense weight; on the CPU it goes straight to
         the native kernel (int8 head: its `Int8Kernel`, without F.linear's dispatch through the
         weight's tensor subclass, ~90 us a call; float32: `linear_forward`, as the native layers'
-        projections). Anything else is F.linear."""
+        projections; a bfloat16 head times the native path's float32 hidden states too). Anything
+        else is F.linear."""
         head = self.model.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
         if isinstance(head, Int8Linear):
             return head.kernel(hidden)  # [B, V] float32
         weight = head.weight
         kernel = native.load_kernel() if weight.device.type == "cpu" else None
-        if (kernel is not None and weight.dtype == hidden.dtype == torch.float32 and hidden.dim() == 2
+        kind = native_decode.DENSE_KINDS.get(weight.dtype)
+        if (kernel is not None and kind is not None and hidden.dtype == torch.float32 and hidden.dim() == 2
                 and hidden.shape[0] <= native_decode.DEFAULT_MAX_TOKENS):
             logits = torch.empty(hidden.shape[0], weight.shape[0])  # [B, V]
-            kernel.linear_forward(hidden.contiguous(), native.KIND_F32, weight, _NO_SCALE, logits)
+            kernel.linear_forward(hidden.contiguous(), kind, weight, _NO_SCALE, logits)
             return logits
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden.to(weight.dtype), weight).float()
 
 
 _NO_SCALE = torch.empty(0)  # linear_forward's scale argument, unused for float32 weights

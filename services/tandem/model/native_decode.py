@@ -6,8 +6,12 @@ those reads, each of them cold; `DecodeLayer` does that glue (norms, RoPE, the K
 residual adds) in a few loops and calls the same native kernels for the reads.
 
 It serves a step when all of these hold, and the model's torch path serves it otherwise:
-- the model is float32 on the CPU, every layer grouped-query attention with routed experts and no
-  shared expert (Mixtral, Qwen3-MoE, Qwen2-MoE without one), dense weights f32 or int8;
+- the model is float32 or bfloat16 on the CPU, every layer grouped-query attention with routed
+  experts and no shared expert (Mixtral, Qwen3-MoE, Qwen2-MoE without one), dense weights in the
+  model's dtype or int8;
+- a bfloat16 model's weights and KV cache stay bfloat16 and its residual stream is float32 in the
+  native layers (llama.cpp's choice): its hidden states and logits match the float32 computation
+  over the bf16 weights, closer to it than the torch path's bf16 arithmetic;
 - the step is decode only, every sequence on the device tier, at most `max_tokens` tokens.
 
 Where the experts run decides how much one call does:
@@ -82,16 +86,19 @@ def unwrap_executor(executor) -> tuple[CpuExpertExecutor, list]:
     return executor, observers
 
 
+DENSE_KINDS = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}  # a Dense's kind per weight dtype
+
+
 def _dense(module: nn.Module, name: str, bias: bool = True):
     d = native.load_kernel().Dense()
     if isinstance(module, Int8Linear):
         d.kind, d.weight, d.scale = native.KIND_INT8, module.kernel.q, module.kernel.scale
-    elif isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
-        d.kind, d.weight = native.KIND_F32, module.weight.detach().contiguous()
+    elif isinstance(module, nn.Linear) and module.weight.dtype in DENSE_KINDS:
+        d.kind, d.weight = DENSE_KINDS[module.weight.dtype], module.weight.detach().contiguous()
     else:
         weight = getattr(module, "weight", None)
         raise Unsupported(f"{name} is {type(module).__name__} ({getattr(weight, 'dtype', 'no weight')}), "
-                          "not a float32 or int8 linear layer")
+                          "not a float32, bfloat16 or int8 linear layer")
     if bias and module.bias is not None:
         d.bias = module.bias.detach().float().contiguous()
     return d
@@ -123,9 +130,7 @@ class _Layer:
             d.k_norm = attn.k_norm.weight.detach().float().contiguous()
         d.q, d.k, d.v, d.o = (_dense(getattr(attn, n), f"layer {index} {n}")
                               for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        if mlp.gate.weight.dtype != torch.float32:
-            raise Unsupported(f"layer {index}: the router is {mlp.gate.weight.dtype}, not float32")
-        d.router = mlp.gate.weight.detach().contiguous()
+        d.router = _dense(mlp.gate, f"layer {index} router")
         d.top_k, d.normalize, d.layer = mlp.top_k, bool(mlp.normalize), mlp.layer
         self.max_tokens = DEFAULT_MAX_TOKENS
         self.remote = _remote(mlp.executor)  # the experts process's client, when they are there
@@ -135,7 +140,8 @@ class _Layer:
         except (Unsupported, KeyError) as exc:
             self.local = False  # the executor is called with the router's output
             self.observers = _watched(mlp.executor)[1]  # seen only when the step is one call (remote)
-            _log.debug("layer %d: experts through the executor: %s", index, exc)
+            # str(exc): a log record that holds the exception holds its frames, and through them the model
+            _log.debug("layer %d: experts through the executor: %s", index, str(exc))
         else:
             self.local, self.max_tokens = True, min(executor.prefill_tokens, DEFAULT_MAX_TOKENS)
             d.expert_kind, d.group = experts.kind, experts.group_size
@@ -161,8 +167,8 @@ class NativeDecode:
         if native.load_kernel() is None:
             raise Unsupported(f"the native kernel is not available: {native.unavailable_reason()}")
         emb = model.model.embed_tokens.weight
-        if emb.device.type != "cpu" or emb.dtype != torch.float32:
-            raise Unsupported(f"the model is {emb.dtype} on {emb.device}, not float32 on the CPU")
+        if emb.device.type != "cpu" or emb.dtype not in DENSE_KINDS:
+            raise Unsupported(f"the model is {emb.dtype} on {emb.device}, not float32 or bfloat16 on the CPU")
         self.layers = [_Layer(i, layer) for i, layer in enumerate(model.model.layers)]
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
         self.final_eps = float(model.model.norm.eps)
@@ -196,7 +202,8 @@ class NativeDecode:
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: list[LayerKV],
                 step: StepAttention) -> torch.Tensor:
-        """x [T, H] embeddings -> [T, H] final hidden states, after the final norm (x is updated in place)."""
+        """x [T, H] float32 embeddings -> [T, H] float32 final hidden states, after the final norm (x is
+        updated in place). cos_sin: float32 [T, D] each."""
         meta = step.device
         cos, sin = (c.contiguous() for c in cos_sin)
         window = meta.sliding_window or 0
@@ -265,15 +272,13 @@ def _head(model: nn.Module):
     logits; None when the kernel does not take it (greedy runs are then off)."""
     if model.cfg.tie_word_embeddings:  # the embedding's [V, H] weight
         weight = model.model.embed_tokens.weight
-        if weight.dtype != torch.float32:
-            return None
         d = native.load_kernel().Dense()
-        d.kind, d.weight = native.KIND_F32, weight.detach().contiguous()
+        d.kind, d.weight = DENSE_KINDS[weight.dtype], weight.detach().contiguous()  # NativeDecode checked the dtype
         return d
     try:
         return _dense(model.lm_head, "lm_head", bias=False)
     except Unsupported as exc:
-        _log.debug("greedy runs off: %s", exc)
+        _log.debug("greedy runs off: %s", str(exc))
         return None
 
 

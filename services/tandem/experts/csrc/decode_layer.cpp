@@ -10,10 +10,12 @@
 // (linear_forward, moe_forward, the paged decode attention) the Python path calls.
 //
 // Scope: grouped-query attention with rotate-half RoPE (Llama, Mixtral, Qwen2/3-MoE without
-// a shared expert), float32 activations and KV, dense weights f32 or int8, experts in any
-// kind moe_forward takes. Experts that live in the split deployment's experts process are
-// either called from here over the data plane (`decode_layers` with a connection), or
-// `attention` stops at the router and the caller sends its outputs to them.
+// a shared expert), float32 activations, a float32 or bfloat16 KV cache, dense weights f32,
+// bf16 or int8, experts in any kind moe_forward takes. A bf16 model's residual stream is float32
+// here, as llama.cpp keeps it: its weights and KV cache stay bf16, the arithmetic is float32.
+// Experts that live in the split deployment's experts process are either called from here over
+// the data plane (`decode_layers` with a connection), or `attention` stops at the router and the
+// caller sends its outputs to them.
 // tandem/model/native_decode.py decides when a step qualifies and otherwise the model runs its
 // torch path.
 
@@ -32,8 +34,8 @@
 namespace tandem {
 namespace {
 
-// A dense projection: weight [N, K] in f32 (kind 0) or int8 rows with f32 scales (kind 2),
-// optional bias [N].
+// A dense projection: weight [N, K] in f32 (kind 0), bf16 (kind 1) or int8 rows with f32 scales
+// (kind 2), optional bias [N]. Inputs and outputs are f32.
 struct Dense {
   int64_t kind = kF32;
   at::Tensor weight, scale, bias;
@@ -44,9 +46,10 @@ struct Dense {
     TORCH_CHECK(weight.defined() && weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == in_features,
                 name, ": weight must be contiguous [N, ", in_features, "]");
     TORCH_CHECK((kind == kF32 && weight.scalar_type() == at::kFloat) ||
+                    (kind == kBF16 && weight.scalar_type() == at::kBFloat16) ||
                     (kind == kInt8 && weight.scalar_type() == at::kChar && scale.defined() &&
                      scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0)),
-                name, ": weight must be f32 (kind 0) or int8 with f32 row scales (kind 2)");
+                name, ": weight must be f32 (kind 0), bf16 (kind 1) or int8 with f32 row scales (kind 2)");
     TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.numel() == weight.size(0)), name,
                 ": bias must be f32 [N]");
   }
@@ -117,13 +120,36 @@ void rope(float* x, int64_t T, int64_t heads, int64_t D, const float* cos, const
 }
 
 // Rows [T, heads * D] into cache [blocks, block_size, heads, D] (any strides, last dim
-// contiguous) at slots[t] = block * block_size + offset.
-void write_cache(const float* rows, int64_t T, int64_t heads, int64_t D, at::Tensor& cache, const int64_t* slots) {
+// contiguous) at slots[t] = block * block_size + offset; a bf16 cache takes them rounded to
+// nearest even, as torch's `.to(torch.bfloat16)`.
+template <typename C>
+void write_cache_as(const float* rows, int64_t T, int64_t heads, int64_t D, at::Tensor& cache, const int64_t* slots) {
   const int64_t bs = cache.size(1), s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
-  float* base = cache.data_ptr<float>();
+  C* base = cache.data_ptr<C>();
   for (int64_t t = 0; t < T; ++t) {
-    float* dst = base + (slots[t] / bs) * s0 + (slots[t] % bs) * s1;
-    for (int64_t h = 0; h < heads; ++h) std::copy_n(rows + (t * heads + h) * D, D, dst + h * s2);
+    C* dst = base + (slots[t] / bs) * s0 + (slots[t] % bs) * s1;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* src = rows + (t * heads + h) * D;
+      for (int64_t i = 0; i < D; ++i) dst[h * s2 + i] = static_cast<C>(src[i]);
+    }
+  }
+}
+
+void write_cache(const float* rows, int64_t T, int64_t heads, int64_t D, at::Tensor& cache, const int64_t* slots) {
+  if (cache.scalar_type() == at::kFloat)
+    write_cache_as<float>(rows, T, heads, D, cache, slots);
+  else
+    write_cache_as<at::BFloat16>(rows, T, heads, D, cache, slots);
+}
+
+// Row `row` of a float32 or bfloat16 matrix [rows, n] (an embedding) into out [n] as float32.
+void copy_row(const at::Tensor& m, int64_t row, float* out) {
+  const int64_t n = m.size(1);
+  if (m.scalar_type() == at::kFloat) {
+    std::copy_n(m.data_ptr<float>() + row * n, n, out);
+  } else {
+    const at::BFloat16* src = m.data_ptr<at::BFloat16>() + row * n;
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(src[i]);
   }
 }
 
@@ -188,7 +214,7 @@ struct DecodeLayer {
   double eps = 1e-6, scale = 1.0;
   at::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm/k_norm undefined: no Q/K norm
   Dense q, k, v, o;
-  at::Tensor router;  // [E, hidden] f32
+  Dense router;  // [E, hidden]
   int64_t top_k = 0;
   bool normalize = true;
   int64_t expert_kind = 0, group = 32;
@@ -214,20 +240,19 @@ struct DecodeLayer {
     TORCH_CHECK(q.out_features() == heads * head_dim && k.out_features() == kv_heads * head_dim &&
                     v.out_features() == kv_heads * head_dim && o.out_features() == hidden,
                 "DecodeLayer: projection sizes do not match the head layout");
-    TORCH_CHECK(router.defined() && router.scalar_type() == at::kFloat && router.is_contiguous() && router.dim() == 2 &&
-                    router.size(1) == hidden,
-                "DecodeLayer: router must be contiguous f32 [E, hidden]");
-    TORCH_CHECK(top_k > 0 && top_k <= router.size(0), "DecodeLayer: top_k must be in [1, E]");
+    router.check("router", hidden);
+    const int64_t E = router.out_features();
+    TORCH_CHECK(top_k > 0 && top_k <= E, "DecodeLayer: top_k must be in [1, E]");
     TORCH_CHECK(gate_up.defined() == down.defined(), "DecodeLayer: gate_up and down come together");
     if (gate_up.defined())  // else the experts are elsewhere: only `attention` runs here
-      TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(0) == router.size(0) && down.dim() == 3 &&
-                      down.size(0) == router.size(0) && down.size(1) == hidden,
+      TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(0) == E && down.dim() == 3 && down.size(0) == E &&
+                      down.size(1) == hidden,
                   "DecodeLayer: experts must be gate_up [E, 2I, *] and down [E, hidden, *] for the router's E");
   }
 
   // The attention half of one decode step of T tokens (one per sequence), up to the router.
   // x [T, hidden] f32 is the residual stream, updated in place (attention output added);
-  // cos/sin [T, head_dim]; caches [blocks, block_size, kv_heads, head_dim] f32; slots [T],
+  // cos/sin [T, head_dim]; caches [blocks, block_size, kv_heads, head_dim] f32 or bf16; slots [T],
   // block_tables [T, max_blocks], seq_lens [T] int64. Returns the experts' input
   // (post-attention RMSNorm of x) [T, hidden], the experts each token goes to, ids [T, top_k]
   // int64, and their weights [T, top_k] f32: what an expert executor takes.
@@ -289,9 +314,10 @@ struct DecodeLayer {
                     sin.is_contiguous() && cos.numel() == T * head_dim && sin.numel() == T * head_dim,
                 "DecodeLayer: cos and sin must be contiguous f32 [T, head_dim]");
     for (const at::Tensor* c : {&k_cache, &v_cache})
-      TORCH_CHECK(c->scalar_type() == at::kFloat && c->dim() == 4 && c->size(2) == kv_heads &&
+      TORCH_CHECK((c->scalar_type() == at::kFloat || c->scalar_type() == at::kBFloat16) &&
+                      c->scalar_type() == k_cache.scalar_type() && c->dim() == 4 && c->size(2) == kv_heads &&
                       c->size(3) == head_dim && c->stride(3) == 1,
-                  "DecodeLayer: caches must be f32 [blocks, block_size, kv_heads, head_dim]");
+                  "DecodeLayer: caches must be f32 or bf16 (both alike) [blocks, block_size, kv_heads, head_dim]");
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T &&
                     seq_lens.scalar_type() == at::kLong && seq_lens.numel() == T &&
                     block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == T,
@@ -306,7 +332,7 @@ struct DecodeLayer {
       TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "DecodeLayer: slot ", sp[t], " outside the cache");
 
     const float epsf = static_cast<float>(eps);
-    const int64_t E = router.size(0), qw = heads * head_dim, kw = kv_heads * head_dim;
+    const int64_t E = router.out_features(), qw = heads * head_dim, kw = kv_heads * head_dim;
     rms_norm(x.data_ptr<float>(), input_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
     clock.mark(kInputNorm);
     std::vector<at::Tensor> qkv{at::empty({T, qw}, f32), at::empty({T, kw}, f32), at::empty({T, kw}, f32)};
@@ -333,7 +359,7 @@ struct DecodeLayer {
 
     rms_norm(x.data_ptr<float>(), post_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
     at::Tensor logits = at::empty({T, E}, f32);
-    linear_forward(h, kF32, router, at::Tensor(), logits);
+    router(h, logits);
     route(logits.data_ptr<float>(), T, E, top_k, normalize, ids.data_ptr<int64_t>(), wts.data_ptr<float>());
     clock.mark(kRouter);
     return {h, ids, wts};
@@ -408,7 +434,7 @@ int64_t argmax_row(const float* l, int64_t n) {
 // the argmax. Between the steps nothing returns to Python, whose per-token glue (the embedding,
 // the RoPE lookup, the argument lists, the head's and the sampler's dispatch) is otherwise a
 // tenth of a token's time on a CPU.
-// embed [V, hidden] f32; rope [2, P, head_dim] f32 (cos, then sin, of positions [0, P));
+// embed [V, hidden] f32 or bf16; rope [2, P, head_dim] f32 (cos, then sin, of positions [0, P));
 // ids [B] int64; positions and slots [S, B] int64 (step s writes its K and V at slots[s] and
 // attends to positions[s] + 1 tokens); block_tables cover every step. Each step's tokens go to
 // column s of tokens [B, S] int64 as it ends, so when a step throws (the experts process lost)
@@ -422,9 +448,9 @@ std::tuple<std::vector<std::vector<double>>, std::vector<std::vector<at::Tensor>
     int64_t spin_us, int64_t timeout_ms) {
   TORCH_CHECK(!layers.empty() && layers[0] != nullptr, "decode_greedy: no layers");
   const int64_t hidden = layers[0]->hidden, D = layers[0]->head_dim;
-  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.scalar_type() == at::kFloat &&
-                  embed.is_contiguous(),
-              "decode_greedy: embed must be contiguous f32 [vocab, ", hidden, "]");
+  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden &&
+                  (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16) && embed.is_contiguous(),
+              "decode_greedy: embed must be contiguous f32 or bf16 [vocab, ", hidden, "]");
   TORCH_CHECK(rope.dim() == 3 && rope.size(0) == 2 && rope.size(2) == D && rope.scalar_type() == at::kFloat &&
                   rope.is_contiguous(),
               "decode_greedy: rope must be contiguous f32 [2, positions, ", D, "]");
@@ -449,18 +475,17 @@ std::tuple<std::vector<std::vector<double>>, std::vector<std::vector<at::Tensor>
     TORCH_CHECK(ip[b] >= 0 && ip[b] < V, "decode_greedy: token ", ip[b], " outside the vocabulary [0, ", V, ")");
   TORCH_CHECK(N <= V, "decode_greedy: the head's ", N, " logits index past the embedding's ", V, " rows");
 
-  const auto f32 = embed.options();
+  const auto f32 = embed.options().dtype(at::kFloat);
   int64_t* tp = tokens.data_ptr<int64_t>();
   std::vector<int64_t> current(ip, ip + B);
   std::vector<std::vector<double>> seconds;
   std::vector<std::vector<at::Tensor>> expert_ids;
   at::Tensor x = at::empty({B, hidden}, f32), cos = at::empty({B, D}, f32), sin = at::empty({B, D}, f32);
   at::Tensor logits = at::empty({B, N}, f32);
-  const float* ep = embed.data_ptr<float>();
   const float* rp = rope.data_ptr<float>();
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t b = 0; b < B; ++b) {
-      std::copy_n(ep + current[b] * hidden, hidden, x.data_ptr<float>() + b * hidden);
+      copy_row(embed, current[b], x.data_ptr<float>() + b * hidden);
       const int64_t pos = pp[s * B + b];
       std::copy_n(rp + pos * D, D, cos.data_ptr<float>() + b * D);
       std::copy_n(rp + (P + pos) * D, D, sin.data_ptr<float>() + b * D);
@@ -513,7 +538,7 @@ void bind_decode_layer(pybind11::module& m) {
         py::arg("sliding_window"), py::arg("final_norm"), py::arg("final_eps"), py::arg("head"), py::arg("tokens"),
         py::arg("data_fd") = -1, py::arg("spin_us") = 0, py::arg("timeout_ms") = -1,
         py::call_guard<py::gil_scoped_release>());
-  py::class_<Dense>(m, "Dense", "a dense projection for DecodeLayer: kind 0 f32, kind 2 int8 rows")
+  py::class_<Dense>(m, "Dense", "a dense projection for DecodeLayer: kind 0 f32, kind 1 bf16, kind 2 int8 rows")
       .def(py::init<>())
       .def_readwrite("kind", &Dense::kind)
       .def_readwrite("weight", &Dense::weight)

@@ -21,7 +21,8 @@ void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, cons
 void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<at::Tensor>& ws,
                           const std::vector<at::Tensor>& scales, std::vector<at::Tensor>& outs);
 
-// out [B, H, Dv] = paged decode attention of q [B, H, D] (see paged_attention.cpp), f32 only.
+// out [B, H, Dv] = paged decode attention of q [B, H, D] (see paged_attention.cpp): q and out
+// float32, the caches float32 or bfloat16.
 void paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                 int64_t sliding_window, at::Tensor& out);

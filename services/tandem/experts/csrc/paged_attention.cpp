@@ -89,16 +89,18 @@ float* scratch(int slot, int64_t size) {
   return buf.data();
 }
 
-template <typename T>
+// Q: the query's and output's element type; T: the caches' (float32 queries over a bf16 cache
+// are the native decode layer's, tandem::paged_decode_attention_f32).
+template <typename Q, typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                       const at::Tensor& lens, double scale, int64_t window, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k.size(1), Hkv = k.size(2), Dv = v.size(3);
   const int64_t group = H / Hkv;
-  const T* qp = q.data_ptr<T>();
+  const Q* qp = q.data_ptr<Q>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  Q* op = out.data_ptr<Q>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
@@ -142,7 +144,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       const int64_t n = std::max<int64_t>(0, hi - lo);
       std::fill_n(acc, H * Dv, 0.f);
       for (int64_t h = 0; h < H; ++h) {
-        const T* src = qp + b * qs0 + h * qs1;
+        const Q* src = qp + b * qs0 + h * qs1;
         for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(src[i]) * fscale;
       }
       // f(x, row_stride, head_stride, rows, next, offset) for each block of [lo, hi) of one cache:
@@ -177,9 +179,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                  });
       for (int64_t h = 0; h < H; ++h) {
         if (chunks == 1) {  // the whole sequence: normalise into out
-          T* dst = op + b * os0 + h * os1;
+          Q* dst = op + b * os0 + h * os1;
           const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-          for (int64_t i = 0; i < Dv; ++i) dst[i] = static_cast<T>(acc[h * Dv + i] * inv);
+          for (int64_t i = 0; i < Dv; ++i) dst[i] = static_cast<Q>(acc[h * Dv + i] * inv);
         } else {  // empty chunks (m = -inf, past the end or before the window) merge to nothing
           float* ph = part.at(b, c, h);
           std::copy_n(acc + h * Dv, Dv, ph);
@@ -210,9 +212,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           for (int64_t i = 0; i < Dv; ++i) acc[i] += ph[i] * f;
         }
       }
-      T* dst = op + b * os0 + h * os1;
+      Q* dst = op + b * os0 + h * os1;
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      for (int64_t i = 0; i < Dv; ++i) dst[i] = static_cast<T>(acc[i] * inv);
+      for (int64_t i = 0; i < Dv; ++i) dst[i] = static_cast<Q>(acc[i] * inv);
     }
   });
 }
@@ -244,7 +246,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "paged_decode_attention: float64 is not supported");
     } else {
-      decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, scale, sliding_window, out);
+      decode_attention<scalar_t, scalar_t>(q, k_cache, v_cache, tables, lens, scale, sliding_window, out);
     }
   });
   return out;
@@ -257,10 +259,14 @@ namespace tandem {
 void paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                 int64_t sliding_window, at::Tensor& out) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode_attention_f32: float32 tensors only");
-  decode_attention<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              "paged_decode_attention_f32: float32 query and output, float32 or bfloat16 caches");
+  if (k_cache.scalar_type() == at::kFloat)
+    decode_attention<float, float>(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out);
+  else
+    decode_attention<float, at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out);
 }
 
 }  // namespace tandem
