@@ -1,12 +1,13 @@
 """Tandem against HF transformers `generate` and llama.cpp, in one go, on one machine and checkpoint.
 
     python benchmarks/compare.py [--checkpoint DIR] [--prompt-len 32] [--gen-len 64] [--threads 2]
-                                 [--precisions f32,int8,int4] [--concurrency 1,4,8] [--json out.json]
+                                 [--precisions f32,bf16,int8,int4] [--concurrency 1,4,8] [--json out.json]
 
 Each system runs in its own process (so one's memory never slows another) on the same
 Mixtral-architecture checkpoint (made by make_checkpoint.py when absent: ~1.8 GB f32), at equal
-precision: f32 against llama.cpp f32, int8 (experts and dense layers int8) against Q8_0, int4
-(experts int4, dense layers int8) against Q4_0.
+precision: f32 against llama.cpp f32 and transformers f32; bf16 (the checkpoint loaded at bfloat16, what
+Mixtral, Qwen and DeepSeek ship) against llama.cpp BF16 and transformers bf16; int8 (experts and dense
+layers int8) against Q8_0; int4 (experts int4, dense layers int8) against Q4_0.
 llama.cpp is llama-cpp-python built from its PyPI sdist (CMAKE_ARGS="-DGGML_NATIVE=ON"); the
 GGUF files come from the sdist's own vendor/llama.cpp/convert_hf_to_gguf.py and
 `llama_model_quantize`. When llama_cpp is not installed, or the sdist cannot be found, the
@@ -32,20 +33,24 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem"
 SDIST_GLOB = "llama_cpp_python-*.tar.gz"
-GGUF_TYPES = {"f32": ("f32", None), "int8": ("q8_0", None), "int4": ("f32", 2)}  # 2 = LLAMA_FTYPE_MOSTLY_Q4_0
-LLAMA_NAMES = {"f32": "f32", "int8": "Q8_0", "int4": "Q4_0"}
-QUANTS = {"f32": ("none", "none"), "int8": ("int8", "int8"), "int4": ("int4", "int8")}  # (experts, dense)
+GGUF_TYPES = {"f32": ("f32", None), "bf16": ("bf16", None), "int8": ("q8_0", None),
+              "int4": ("f32", 2)}  # 2 = LLAMA_FTYPE_MOSTLY_Q4_0
+LLAMA_NAMES = {"f32": "f32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
+# (experts, dense) quantization; the dtype the checkpoint loads at (None: its own, float32 here)
+QUANTS = {"f32": ("none", "none"), "bf16": ("none", "none"), "int8": ("int8", "int8"), "int4": ("int4", "int8")}
+DTYPES = {"bf16": "bfloat16"}
+HF_PRECISIONS = ("f32", "bf16")  # transformers runs unquantized only
 
 
 # workers: each runs in a fresh process and prints one JSON line
 
 
-def worker_hf(ckpt: str, prompt_len: int, gen_len: int, threads: int) -> dict:
+def worker_hf(ckpt: str, dtype: str, prompt_len: int, gen_len: int, threads: int) -> dict:
     import torch
     import transformers as tf
 
     torch.set_num_threads(threads)
-    model = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
     ids = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
 
     def timed(n: int) -> float:
@@ -107,11 +112,14 @@ def run_worker(name: str, *args) -> dict:
 # systems
 
 
-def tandem_bench(ckpt: Path, quants: tuple[str, str], args) -> dict:
+def tandem_bench(ckpt: Path, precision: str, args) -> dict:
+    quants = QUANTS[precision]
     cmd = [sys.executable, "-m", "tandem.cli", "bench", "--model", str(ckpt), "--prompt-len", str(args.prompt_len),
            "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--expert-quant", quants[0],
            "--dense-quant", quants[1],
            "--threads", str(args.threads), "--device", "cpu", "--no-bandwidth", "--json"]
+    if precision in DTYPES:
+        cmd += ["--dtype", DTYPES[precision]]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["tandem bench failed"])[-1]}
@@ -176,15 +184,16 @@ def worker_quantize(src: str, dst: str, ftype: int) -> dict:
 
 def active_bytes(ckpt: Path, precision: str) -> float:
     """Bytes of weights one decode token reads in Tandem's layout: experts at `precision`, the
-    attention and LM head at f32 (f32) or int8 (int8, int4), the routers at f32."""
+    attention and LM head at f32 (f32), bf16 (bf16) or int8 (int8, int4), the routers at f32 (bf16 in
+    a bf16 model)."""
     cfg = json.loads((ckpt / "config.json").read_text())
     h, i, layers, k = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
     kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or h // cfg["num_attention_heads"])
-    per_weight = {"f32": 4.0, "int8": 1.0 + 4.0 / h, "int4": 0.5 + 4.0 / 32}[precision]
+    per_weight = {"f32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / h, "int4": 0.5 + 4.0 / 32}[precision]
     experts = layers * k * 3 * h * i * per_weight
-    dense_per_weight = 4.0 if precision == "f32" else 1.0 + 4.0 / h  # int8 rows, an f32 scale each
+    dense_per_weight = {"f32": 4.0, "bf16": 2.0}.get(precision, 1.0 + 4.0 / h)  # int8: an f32 scale a row
     dense = dense_per_weight * (layers * (2 * h * h + 2 * h * kv) + cfg["vocab_size"] * h)
-    routers = 4.0 * layers * cfg["num_local_experts"] * h
+    routers = (2.0 if precision == "bf16" else 4.0) * layers * cfg["num_local_experts"] * h
     return experts + dense + routers
 
 
@@ -194,7 +203,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--precisions", default="f32,int8,int4")
+    ap.add_argument("--precisions", default="f32,bf16,int8,int4")
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--skip", default="", help="comma-separated: hf, llama, tandem")
     ap.add_argument("--json", type=Path)
@@ -202,7 +211,7 @@ def main() -> None:
     args, rest = ap.parse_known_args()
     if args.worker:
         fn = {"hf": worker_hf, "llama": worker_llama, "quantize": worker_quantize}[args.worker]
-        strings = 2 if args.worker == "quantize" else 1
+        strings = 1 if args.worker == "llama" else 2  # the leading string arguments, then integers
         print(json.dumps(fn(*rest[:strings], *map(int, rest[strings:]))))
         return
 
@@ -231,9 +240,10 @@ def main() -> None:
         row = {"precision": precision, "roofline_tok_s": roofline,
                "gemv_roofline_tok_s": roofline * gemv_bandwidth / bandwidth}
         if "tandem" not in skip:
-            row["tandem"] = tandem_bench(args.checkpoint, QUANTS[precision], args)
-        if precision == "f32" and "hf" not in skip:
-            row["transformers"] = run_worker("hf", args.checkpoint, args.prompt_len, args.gen_len, args.threads)
+            row["tandem"] = tandem_bench(args.checkpoint, precision, args)
+        if precision in HF_PRECISIONS and "hf" not in skip:
+            row["transformers"] = run_worker("hf", args.checkpoint, DTYPES.get(precision, "float32"),
+                                             args.prompt_len, args.gen_len, args.threads)
         if not llama_skip:
             try:
                 gguf = make_gguf(args.checkpoint, precision)

@@ -213,6 +213,43 @@ async def test_decode_frames_are_served_natively_and_the_rest_by_python(start_se
     client.close()
 
 
+async def test_a_bfloat16_split_deployment_decodes_natively_as_embedded(start_server, model_dir, tmp_path,
+                                                                           monkeypatch):
+    """A bf16 checkpoint split in two: the attention side's greedy runs send float32 hidden states over
+    the data plane, and the experts process, serving the bf16 experts, answers them in native code. The
+    tokens are those of the embedded bf16 model, whose native path calls the same kernels in process."""
+    from tandem.engine.llm_engine import EngineConfig, LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.rpc import experts_server
+
+    made = []
+    build = experts_server.native_expert_server
+    monkeypatch.setattr(experts_server, "native_expert_server", lambda *a: made.append(build(*a)) or made[-1])
+    path = model_dir("mixtral")
+    server = await start_server(model=str(path), role="experts", dtype="bfloat16",
+                                listen=f"unix:{tmp_path}/experts.sock")
+    [native_end] = made
+    client = GrpcExpertExecutor(server.address)
+    assert (await asyncio.to_thread(client.info)).dtype == "bfloat16"
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    prompts = [[3, 9, 4, 7, 11], [5, 6]]
+
+    def run(**kwargs):
+        engine = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16",
+                                           config=EngineConfig(num_scheduler_steps=4), **kwargs)
+        tokens = [out.token_ids for out in engine.generate(prompts, params)]
+        return engine.model.native_path, tokens
+
+    embedded_path, embedded = await asyncio.to_thread(run)
+    split_path, split = await asyncio.to_thread(run, expert_executor=client)
+    assert embedded_path.local_experts and split_path.remote is client
+    assert embedded_path.greedy_steps == split_path.greedy_steps == params.max_tokens - 1
+    assert split == embedded
+    layers = len(split_path.layers)
+    assert native_end.served >= layers * (params.max_tokens - 1)  # every decode step's layers, in native code
+    client.close()
+
+
 async def test_native_decode_steps_call_the_experts_over_the_data_plane(start_server, model_dir, tmp_path,
                                                                          monkeypatch, caplog):
     """The split deployment's attention side: one native call runs each decode step's layers and
