@@ -318,13 +318,13 @@ def test_experts_unavailable_inside_a_greedy_run_keeps_the_steps_it_finished(mod
     e = engine(model_dir, num_scheduler_steps=4)
     real, runs = e.model.greedy_steps, []
 
-    def outages(ids, metas, cache, tokens):
-        runs.append(len(metas))
+    def outages(ids, steps, cache, tokens):
+        runs.append(steps.positions.shape[0])
         if len(runs) == 1:  # the first run: down after its first step
-            assert real(ids, metas[:1], cache, tokens[:, :1])
+            assert real(ids, steps._replace(positions=steps.positions[:1], slots=steps.slots[:1]), cache, tokens[:, :1])
         if len(runs) <= 2:  # the second: down from the start
             raise ExpertsUnavailable("experts process is down")
-        return real(ids, metas, cache, tokens)
+        return real(ids, steps, cache, tokens)
 
     e.model.greedy_steps = outages
     tokens, sizes, raised = step_through_outages(e, {"a": prompts(1)[0]})

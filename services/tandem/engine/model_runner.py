@@ -10,7 +10,7 @@ import torch
 from tandem.engine.cuda_graph import DecodeGraphs
 from tandem.engine.sampler import Sampler
 from tandem.experts.base import ExpertsUnavailable
-from tandem.kv.attention import AttentionMetadata
+from tandem.kv.attention import AttentionMetadata, DecodeSteps
 from tandem.kv.cache import CPU, DEVICE, KVCache
 from tandem.kv.tiered import CpuAttentionBackend, CpuBatch, LocalCpuAttention, StepAttention
 from tandem.model.model import CausalLM
@@ -89,14 +89,14 @@ class ModelRunner:
         gens = [generators.get(r) for r in rids]
         tables = [s.block_table for s in scheduled]
         starts = [s.start_pos for s in scheduled]
-        metas = AttentionMetadata.decode_steps(starts, tables, steps, self.cache.block_size, self.device,
-                                               self.sliding_window)
+        run = DecodeSteps.build(starts, tables, steps, self.cache.block_size, self.sliding_window)
         graphed = self._graphed(scheduled, [])
         ids = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long, device=self.device)  # [B]
         tokens = torch.full((len(rids), steps), -1, dtype=torch.long, device=self.device)  # a column per step done
         greedy = not graphed and self._greedy_decode(scheduled)
         try:
-            if not (greedy and self.model.greedy_steps(ids, metas, self.cache, tokens)):
+            if not (greedy and self.model.greedy_steps(ids, run, self.cache, tokens)):
+                metas = AttentionMetadata.decode_steps(run, self.cache.block_size, self.device)
                 for i, meta in enumerate(metas):
                     if graphed:
                         hidden = self.graphs.run(ids.tolist(), [p + i for p in starts], tables)  # [B, H]

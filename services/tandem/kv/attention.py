@@ -8,11 +8,38 @@ or before its own position.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from tandem.kv import triton_attention
+
+
+class DecodeSteps(NamedTuple):
+    """`steps` decode steps in a row of B sequences, one token each a step, as CPU tensors: what the
+    native greedy runs take (`CausalLM.greedy_steps`), and what the steps' `AttentionMetadata` is
+    made from (`AttentionMetadata.decode_steps`)."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0; they cover every step
+    positions: torch.Tensor  # [steps, B] int64: in step i sequence j computes its token at starts[j] + i
+    slots: torch.Tensor  # [steps, B] int64: where that token's KV goes
+    max_position: int  # the largest of the positions
+    sliding_window: int | None
+
+    @classmethod
+    def build(cls, starts: list[int], block_tables: list[list[int]], steps: int, block_size: int,
+              sliding_window: int | None = None) -> "DecodeSteps":
+        """From lists, in two tensor constructions: a decode step's Python runs right after the weights
+        have flushed the caches, so every op it saves is a cold one."""
+        num_seqs, max_blocks = len(starts), max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+        positions = [p + i for i in range(steps) for p in starts]
+        # positions and slots of every step: one tensor from one list, views of it
+        flat = torch.tensor(positions + slots_of(positions, block_tables * steps, block_size), dtype=torch.long)
+        n = steps * num_seqs
+        return cls(tables, flat[:n].view(steps, num_seqs), flat[n:].view(steps, num_seqs), max(starts) + steps - 1,
+                   sliding_window)
 
 
 @dataclass
@@ -51,7 +78,8 @@ class AttentionMetadata:
         max_blocks = max(len(t) for t in block_tables)
         l_max = max_blocks * block_size
         if all(n == 1 for n in lens):  # decode: one token per sequence
-            return cls.decode_steps(starts, block_tables, 1, block_size, device, sliding_window)[0]
+            return cls.decode_steps(DecodeSteps.build(starts, block_tables, 1, block_size, sliding_window), block_size,
+                                    device)[0]
         tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
         query_index = torch.zeros(num_seqs, q_max, dtype=torch.long)
         query_pos = torch.zeros(num_seqs, q_max, dtype=torch.long)
@@ -73,23 +101,18 @@ class AttentionMetadata:
         return cls(*tensors, key_len=l_max, sliding_window=sliding_window)
 
     @classmethod
-    def decode_steps(cls, starts: list[int], block_tables: list[list[int]], steps: int, block_size: int,
-                     device: torch.device, sliding_window: int | None = None) -> list["AttentionMetadata"]:
-        """Metadata of `steps` decode steps in a row, built at once from lists in a few ops: in step i
-        sequence j computes one token at position starts[j] + i; block_tables cover every step."""
-        num_seqs, max_blocks = len(starts), max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
-        positions = [p + i for i in range(steps) for p in starts]
-        # positions and slots of every step: one tensor from one list, views of it
-        flat = torch.tensor(positions + slots_of(positions, block_tables * steps, block_size), dtype=torch.long)
-        shared = [tables, flat, torch.arange(num_seqs).view(-1, 1), torch.ones(num_seqs, 1, dtype=torch.bool)]
+    def decode_steps(cls, steps: DecodeSteps, block_size: int, device: torch.device) -> list["AttentionMetadata"]:
+        """Metadata of each of the decode steps in a row, on `device`."""
+        tables, pos, slots = steps.block_tables, steps.positions, steps.slots
+        num_seqs = tables.shape[0]
+        shared = [tables, pos, slots, torch.arange(num_seqs).view(-1, 1), torch.ones(num_seqs, 1, dtype=torch.bool)]
         if device.type != "cpu":  # built on the CPU: moved only when the steps run elsewhere
             shared = [t.to(device) for t in shared]
-        tables, flat, query_index, query_valid = shared
-        pos, slots = flat[: steps * num_seqs].view(steps, num_seqs), flat[steps * num_seqs:].view(steps, num_seqs)
+        tables, pos, slots, query_index, query_valid = shared
         seq_lens = pos + 1
         return [cls(slots[i], tables, query_index, query_valid, pos[i].view(-1, 1), seq_lens[i],
-                    key_len=max_blocks * block_size, sliding_window=sliding_window) for i in range(steps)]
+                    key_len=tables.shape[1] * block_size, sliding_window=steps.sliding_window)
+                for i in range(pos.shape[0])]
 
 
 def slots_of(positions: list[int], block_tables: list[list[int]], block_size: int) -> list[int]:

@@ -8,7 +8,7 @@ from torch import nn
 
 from tandem.experts import native
 from tandem.experts.base import ExpertExecutor
-from tandem.kv.attention import AttentionMetadata
+from tandem.kv.attention import DecodeSteps
 from tandem.kv.cache import KVCache
 from tandem.kv.tiered import LayerKV, StepAttention
 from tandem.model import native_decode
@@ -93,22 +93,17 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def greedy_steps(self, input_ids: torch.Tensor, metas: list[AttentionMetadata], cache: KVCache,
-                     tokens: torch.Tensor) -> bool:
+    def greedy_steps(self, input_ids: torch.Tensor, steps: DecodeSteps, cache: KVCache, tokens: torch.Tensor) -> bool:
         """Greedy decode steps in a row through the native path in one call: input_ids [B], one next
-        token per sequence, metas the steps' attention metadata (`AttentionMetadata.decode_steps`);
-        the argmax tokens go to tokens [B, S], each step's the next one's input, a column per step as
-        it ends. False (nothing run) when the native path cannot run them: the caller then runs and
-        samples the steps one at a time."""
+        token per sequence, `steps` where each step computes them; the argmax tokens go to tokens
+        [B, S], each step's the next one's input, a column per step as it ends. False (nothing run)
+        when the native path cannot run them: the caller then runs and samples the steps one at a
+        time."""
         fused = self._native_path() if self.native_decode else None
         if fused is None or not fused.runs_greedy(input_ids.shape[0]):
             return False
-        positions = torch.stack([meta.query_pos.view(-1) for meta in metas])  # [S, B]
-        slots = torch.stack([meta.slot_mapping for meta in metas])  # [S, B]
-        rope = self.rotary.table(int(positions.max()) + 1, positions.device)  # [2, P, D]
-        kv = [LayerKV.of(cache, i) for i in range(len(self.model.layers))]
-        return fused.greedy(input_ids, rope, positions, slots, metas[0].block_tables, kv,
-                            metas[0].sliding_window or 0, tokens)
+        rope = self.rotary.table(steps.max_position + 1, input_ids.device)  # [2, P, D]
+        return fused.greedy(input_ids, rope, steps, cache, tokens)
 
     @property
     def native_path(self) -> native_decode.NativeDecode | None:

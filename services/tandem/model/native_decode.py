@@ -40,6 +40,8 @@ from torch import nn
 
 from tandem.experts import native
 from tandem.experts.cpu_executor import CpuExpertExecutor
+from tandem.kv.attention import DecodeSteps
+from tandem.kv.cache import DEVICE, KVCache
 from tandem.kv.tiered import LayerKV, StepAttention
 from tandem.model.attention import Attention
 from tandem.model.moe import SparseMoe, run_routed_experts
@@ -187,6 +189,7 @@ class NativeDecode:
         self.max_tokens = min(limits)
         self.embed = emb.detach().contiguous()
         self.head = _head(model)  # None: the greedy runs (`greedy`) are off, each step samples in Python
+        self._caches: tuple[KVCache, list[torch.Tensor], list[torch.Tensor]] | None = None  # _device_caches
         self.steps = 0  # steps served (tests check the path was taken)
         self.greedy_steps = 0  # of which in greedy runs
 
@@ -227,25 +230,33 @@ class NativeDecode:
         kernel takes, and a batch the native layers take."""
         return self.natives is not None and self.head is not None and 0 < num_seqs <= self.max_tokens
 
-    def greedy(self, ids: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               block_tables: torch.Tensor, kv: list[LayerKV], window: int, tokens: torch.Tensor) -> bool:
+    def greedy(self, ids: torch.Tensor, rope: torch.Tensor, steps: DecodeSteps, cache: KVCache,
+               tokens: torch.Tensor) -> bool:
         """Greedy decode steps in a row in one native call (`decode_greedy`): ids [B] are the
-        sequences' next inputs, positions and slots [S, B] where step s computes each of them, rope
-        the RoPE table [2, P, D]; the argmax tokens go to tokens [B, S], a column per step as it ends
-        (when a step raises, those before it are there). The observers see every step's calls.
-        False (nothing run) when the experts process is reached over gRPC only."""
-        args = (self.natives, self.embed, rope, ids, [layer_kv.device["k"] for layer_kv in kv],
-                [layer_kv.device["v"] for layer_kv in kv], positions, slots, block_tables, window, self.final_norm,
-                self.final_eps, self.head, tokens)
+        sequences' next inputs, `steps` where each step computes them (positions, slots, block
+        tables), rope the RoPE table [2, P, D]; the argmax tokens go to tokens [B, S], a column per
+        step as it ends (when a step raises, those before it are there). The observers see every
+        step's calls. False (nothing run) when the experts process is reached over gRPC only."""
+        k_caches, v_caches = self._device_caches(cache)
+        args = (self.natives, self.embed, rope, ids, k_caches, v_caches, steps.positions, steps.slots,
+                steps.block_tables, steps.sliding_window or 0, self.final_norm, self.final_eps, self.head, tokens)
         done = self._one_call(self.decode_greedy, *args)
         if done is None:
             return False
         seconds, ids_per_step = done
-        self.steps += positions.shape[0]
-        self.greedy_steps += positions.shape[0]
+        self.steps += len(seconds)
+        self.greedy_steps += len(seconds)
         for step_seconds, step_ids in zip(seconds, ids_per_step):
             self._observed(step_seconds, step_ids)
         return True
+
+    def _device_caches(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's device-tier K and V caches, listed once per cache (a greedy run's Python is
+        paid once a step)."""
+        if self._caches is None or self._caches[0] is not cache:
+            layers = [cache.layer(i, DEVICE) for i in range(len(self.layers))]
+            self._caches = (cache, [layer["k"] for layer in layers], [layer["v"] for layer in layers])
+        return self._caches[1], self._caches[2]
 
     def _one_call(self, fn, *args):
         """fn(*args), a native call over every layer, with the experts in this process; with them in
