@@ -58,7 +58,7 @@ def assert_float32_matches(model_dir, name: str, new_tokens: int = NEW_TOKENS, n
 
 
 # Architectures whose CPU decode steps run the native decode layer (tandem.model.native_decode).
-NATIVE_DECODE_ARCHS = {"mixtral", "qwen3_moe"}
+NATIVE_DECODE_ARCHS = {"mixtral", "qwen2_moe", "qwen3_moe", "llama"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -72,7 +72,7 @@ def test_greedy_tokens_and_logits_match_transformers_float32(arch, demo_model_di
         assert path is None
 
 
-@pytest.mark.parametrize("arch, overrides", [("mixtral", {}), ("qwen3_moe", {}),
+@pytest.mark.parametrize("arch, overrides", [("mixtral", {}), ("qwen3_moe", {}), ("qwen2_moe", {}), ("llama", {}),
                                              ("mixtral", {"tie_word_embeddings": True})])
 @pytest.mark.parametrize("steps", [1, 8])
 def test_native_greedy_runs_match_transformers_float32(arch, overrides, steps, demo_model_dir):

@@ -213,11 +213,13 @@ async def test_decode_frames_are_served_natively_and_the_rest_by_python(start_se
     client.close()
 
 
-async def test_a_bfloat16_split_deployment_decodes_natively_as_embedded(start_server, model_dir, tmp_path,
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+async def test_a_bfloat16_split_deployment_decodes_natively_as_embedded(arch, start_server, model_dir, tmp_path,
                                                                            monkeypatch):
     """A bf16 checkpoint split in two: the attention side's greedy runs send float32 hidden states over
     the data plane, and the experts process, serving the bf16 experts, answers them in native code. The
-    tokens are those of the embedded bf16 model, whose native path calls the same kernels in process."""
+    tokens are those of the embedded bf16 model, whose native path calls the same kernels in process.
+    Qwen2-MoE's shared experts and dense layer stay on the attention side, inside its native call."""
     from tandem.engine.llm_engine import EngineConfig, LLMEngine
     from tandem.engine.sampling_params import SamplingParams
     from tandem.rpc import experts_server
@@ -225,7 +227,7 @@ async def test_a_bfloat16_split_deployment_decodes_natively_as_embedded(start_se
     made = []
     build = experts_server.native_expert_server
     monkeypatch.setattr(experts_server, "native_expert_server", lambda *a: made.append(build(*a)) or made[-1])
-    path = model_dir("mixtral")
+    path = model_dir(arch)
     server = await start_server(model=str(path), role="experts", dtype="bfloat16",
                                 listen=f"unix:{tmp_path}/experts.sock")
     [native_end] = made
@@ -245,8 +247,9 @@ async def test_a_bfloat16_split_deployment_decodes_natively_as_embedded(start_se
     assert embedded_path.local_experts and split_path.remote is client
     assert embedded_path.greedy_steps == split_path.greedy_steps == params.max_tokens - 1
     assert split == embedded
-    layers = len(split_path.layers)
-    assert native_end.served >= layers * (params.max_tokens - 1)  # every decode step's layers, in native code
+    moe_layers = sum(layer.moe_layer is not None for layer in split_path.layers)
+    assert moe_layers == (1 if arch == "qwen2_moe" else 2)  # the demo Qwen2-MoE's layer 1 is dense
+    assert native_end.served >= moe_layers * (params.max_tokens - 1)  # every decode step's MoE layers, natively
     client.close()
 
 

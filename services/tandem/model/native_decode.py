@@ -7,8 +7,8 @@ residual adds) in a few loops and calls the same native kernels for the reads.
 
 It serves a step when all of these hold, and the model's torch path serves it otherwise:
 - the model is float32 or bfloat16 on the CPU, every layer grouped-query attention with routed
-  experts and no shared expert (Mixtral, Qwen3-MoE, Qwen2-MoE without one), dense weights in the
-  model's dtype or int8;
+  experts (Mixtral, Qwen3-MoE), routed experts and a sigmoid-gated shared expert (Qwen2-MoE), or a
+  dense SwiGLU MLP (Llama, Qwen2-MoE's dense layers); dense weights in the model's dtype or int8;
 - a bfloat16 model's weights and KV cache stay bfloat16 and its residual stream is float32 in the
   native layers (llama.cpp's choice): its hidden states and logits match the float32 computation
   over the bf16 weights, closer to it than the torch path's bf16 arithmetic;
@@ -44,6 +44,7 @@ from tandem.kv.attention import DecodeSteps
 from tandem.kv.cache import DEVICE, KVCache
 from tandem.kv.tiered import LayerKV, StepAttention
 from tandem.model.attention import Attention
+from tandem.model.layers import DenseMLP
 from tandem.model.moe import SparseMoe, run_routed_experts
 from tandem.model.quant_linear import Int8Linear
 
@@ -110,16 +111,16 @@ DEFAULT_MAX_TOKENS = 32  # decode batches above this go to the torch path's GEMM
 
 
 class _Layer:
-    """One decoder layer on the native path: experts in this process (`local`: one call does the
-    whole layer) or elsewhere (the native call stops at the router and the executor is called)."""
+    """One decoder layer on the native path. An MoE layer's experts run in this process (`local`: one
+    call does the whole layer) or elsewhere (the native call stops at the router and the executor is
+    called); a dense layer (`moe_layer` None) is always one call."""
 
     def __init__(self, index: int, layer: nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         if type(attn) is not Attention:
             raise Unsupported(f"layer {index}: {type(attn).__name__} is not grouped-query attention")
-        if type(mlp) is not SparseMoe or mlp.shared_expert is not None:
-            raise Unsupported(f"layer {index}: {type(mlp).__name__} is not a routed MoE without a shared expert")
-        self.mlp, self.moe_layer = mlp, mlp.layer
+        if type(mlp) not in (SparseMoe, DenseMLP):
+            raise Unsupported(f"layer {index}: {type(mlp).__name__} is neither a routed MoE nor a dense MLP")
         d = self.native = native.load_kernel().DecodeLayer()
         d.hidden, d.heads, d.kv_heads, d.head_dim = attn.q_proj.in_features, attn.num_heads, attn.num_kv_heads, attn.head_dim
         d.eps, d.scale = float(layer.input_layernorm.eps), attn.scale
@@ -132,9 +133,20 @@ class _Layer:
             d.k_norm = attn.k_norm.weight.detach().float().contiguous()
         d.q, d.k, d.v, d.o = (_dense(getattr(attn, n), f"layer {index} {n}")
                               for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.mlp, self.max_tokens = mlp, DEFAULT_MAX_TOKENS
+        swiglu = mlp if type(mlp) is DenseMLP else mlp.shared_expert  # the dense MLP or the shared expert
+        if swiglu is not None:
+            d.mlp_gate, d.mlp_up, d.mlp_down = (_dense(getattr(swiglu, n), f"layer {index} {n}")
+                                                for n in ("gate_proj", "up_proj", "down_proj"))
+        if type(mlp) is DenseMLP:
+            self.moe_layer, self.remote, self.local, self.observers = None, None, True, []
+            d.check()
+            return
+        self.moe_layer = mlp.layer
         d.router = _dense(mlp.gate, f"layer {index} router")
+        if swiglu is not None:
+            d.shared_expert_gate = _dense(mlp.shared_expert_gate, f"layer {index} shared_expert_gate")
         d.top_k, d.normalize, d.layer = mlp.top_k, bool(mlp.normalize), mlp.layer
-        self.max_tokens = DEFAULT_MAX_TOKENS
         self.remote = _remote(mlp.executor)  # the experts process's client, when they are there
         try:
             executor, self.observers = unwrap_executor(mlp.executor)
@@ -159,7 +171,8 @@ class _Layer:
                 observe(self.moe_layer, ids, seconds)
         else:
             h, ids, weights = self.native.attention(*args)
-            x += run_routed_experts(self.mlp.executor, self.moe_layer, h, ids, weights)
+            routed = run_routed_experts(self.mlp.executor, self.moe_layer, h, ids, weights)
+            x += self.mlp.combine(h.to(self.mlp.gate.weight.dtype), routed)  # a shared expert at its weights' dtype
 
 
 class NativeDecode:
@@ -179,7 +192,7 @@ class NativeDecode:
         self.decode_greedy = kernel.decode_greedy
         # Every layer's experts inside its native call, or every layer's in the one experts process
         # over the data plane: the whole step is one call (decode_layers).
-        remotes = {id(layer.remote): layer.remote for layer in self.layers}
+        remotes = {id(layer.remote): layer.remote for layer in self.layers if layer.moe_layer is not None}
         self.remote = next(iter(remotes.values())) if len(remotes) == 1 and not self.local_experts else None
         one_call = self.local_experts or self.remote is not None
         self.natives = [layer.native for layer in self.layers] if one_call else None
@@ -271,8 +284,9 @@ class NativeDecode:
         """One step's expert calls, a layer each, made inside a native call: the data plane client
         records them (split deployment), and the watching wrappers see them."""
         if self.remote is not None:
-            for s in seconds:
-                self.remote.record_call(s)
+            for layer, s in zip(self.layers, seconds):
+                if layer.moe_layer is not None:  # a dense layer made no call
+                    self.remote.record_call(s)
         for layer, layer_seconds, layer_ids in zip(self.layers, seconds, ids):
             for observe in layer.observers:
                 observe(layer.moe_layer, layer_ids, layer_seconds)
@@ -302,8 +316,9 @@ def signature(model: nn.Module) -> tuple:
         attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
         projections = attn._modules
         executor = mlp.__dict__.get("executor")
+        swiglu = mlp._modules.get("shared_expert") or mlp  # its projections: a dense MLP's, or the shared expert's
         sig.append((attn, mlp, projections.get("q_proj"), projections.get("k_proj"), projections.get("v_proj"),
-                    projections.get("o_proj"), executor, _own_forward(executor)))
+                    projections.get("o_proj"), executor, _own_forward(executor), tuple(swiglu._modules.values())))
     sig.append((model.model._modules["embed_tokens"], model._modules.get("lm_head")))
     return tuple(sig)
 

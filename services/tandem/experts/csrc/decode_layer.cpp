@@ -9,8 +9,9 @@
 // glue is a few loops over the token's vectors and the big reads are the same kernels
 // (linear_forward, moe_forward, the paged decode attention) the Python path calls.
 //
-// Scope: grouped-query attention with rotate-half RoPE (Llama, Mixtral, Qwen2/3-MoE without
-// a shared expert), float32 activations, a float32 or bfloat16 KV cache, dense weights f32,
+// Scope: grouped-query attention with rotate-half RoPE, then routed experts (Mixtral, Qwen3-MoE),
+// routed experts beside a sigmoid-gated shared expert (Qwen2-MoE), or a dense SwiGLU MLP (Llama,
+// Qwen2-MoE's dense layers); float32 activations, a float32 or bfloat16 KV cache, dense weights f32,
 // bf16 or int8, experts in any kind moe_forward takes. A bf16 model's residual stream is float32
 // here, as llama.cpp keeps it: its weights and KV cache stay bf16, the arithmetic is float32.
 // Experts that live in the split deployment's experts process are either called from here over
@@ -215,6 +216,10 @@ struct DecodeLayer {
   at::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm/k_norm undefined: no Q/K norm
   Dense q, k, v, o;
   Dense router;  // [E, hidden]
+  // A SwiGLU MLP: a dense layer's MLP (the router undefined: no routed experts), or an MoE layer's
+  // shared expert (Qwen2-MoE), gated per token by sigmoid(shared_expert_gate . h) when that is
+  // defined. Undefined weights: none.
+  Dense mlp_gate, mlp_up, mlp_down, shared_expert_gate;
   int64_t top_k = 0;
   bool normalize = true;
   int64_t expert_kind = 0, group = 32;
@@ -240,6 +245,20 @@ struct DecodeLayer {
     TORCH_CHECK(q.out_features() == heads * head_dim && k.out_features() == kv_heads * head_dim &&
                     v.out_features() == kv_heads * head_dim && o.out_features() == hidden,
                 "DecodeLayer: projection sizes do not match the head layout");
+    TORCH_CHECK(is_moe() || has_mlp(), "DecodeLayer: neither a router nor an MLP");
+    if (has_mlp()) {
+      mlp_gate.check("mlp gate_proj", hidden);
+      mlp_up.check("mlp up_proj", hidden);
+      mlp_down.check("mlp down_proj", mlp_gate.out_features());
+      TORCH_CHECK(mlp_up.out_features() == mlp_gate.out_features() && mlp_down.out_features() == hidden,
+                  "DecodeLayer: the MLP's sizes do not match");
+    }
+    if (shared_expert_gate.weight.defined()) {
+      TORCH_CHECK(is_moe() && has_mlp(), "DecodeLayer: a shared_expert_gate needs a router and a shared expert");
+      shared_expert_gate.check("shared_expert_gate", hidden);
+      TORCH_CHECK(shared_expert_gate.out_features() == 1, "DecodeLayer: shared_expert_gate must be [1, hidden]");
+    }
+    if (!is_moe()) return;  // a dense layer: no routed experts
     router.check("router", hidden);
     const int64_t E = router.out_features();
     TORCH_CHECK(top_k > 0 && top_k <= E, "DecodeLayer: top_k must be in [1, E]");
@@ -255,7 +274,8 @@ struct DecodeLayer {
   // cos/sin [T, head_dim]; caches [blocks, block_size, kv_heads, head_dim] f32 or bf16; slots [T],
   // block_tables [T, max_blocks], seq_lens [T] int64. Returns the experts' input
   // (post-attention RMSNorm of x) [T, hidden], the experts each token goes to, ids [T, top_k]
-  // int64, and their weights [T, top_k] f32: what an expert executor takes.
+  // int64, and their weights [T, top_k] f32: what an expert executor takes. A shared expert is
+  // then the caller's to add too.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> attention(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                                            at::Tensor& k_cache, at::Tensor& v_cache,
                                                            const at::Tensor& slots, const at::Tensor& block_tables,
@@ -280,12 +300,19 @@ struct DecodeLayer {
                                               at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                               int64_t sliding_window, const DataPlane* remote) const {
-    TORCH_CHECK(remote != nullptr || (gate_up.defined() && down.defined()),
+    TORCH_CHECK(!is_moe() || remote != nullptr || (gate_up.defined() && down.defined()),
                 "DecodeLayer.forward: this layer holds no experts");
     PhaseClock clock;
     auto [h, ids, wts] = run_attention(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window, clock);
     const int64_t T = x.size(0);
     if (T == 0) return {0.0, ids};
+    if (!is_moe()) {  // a dense layer: x + mlp(h), as transformers adds it
+      at::Tensor out = at::zeros_like(h);
+      add_mlp(h, out);
+      add_(x, out);
+      clock.mark(kExperts);
+      return {0.0, ids};
+    }
     at::Tensor out = at::empty_like(h);
     const auto start = std::chrono::steady_clock::now();
     if (remote != nullptr) {
@@ -296,10 +323,14 @@ struct DecodeLayer {
                   out, scratch);
     }
     const double expert_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (has_mlp()) add_mlp(h, out);  // the shared expert
     add_(x, out);
     clock.mark(kExperts);
     return {expert_seconds, ids};
   }
+
+  bool is_moe() const { return router.weight.defined(); }
+  bool has_mlp() const { return mlp_gate.weight.defined(); }
 
  private:
   std::tuple<at::Tensor, at::Tensor, at::Tensor> run_attention(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -324,7 +355,8 @@ struct DecodeLayer {
                 "DecodeLayer: slots [T], seq_lens [T] and block_tables [T, max_blocks] must be int64");
     const auto f32 = x.options();
     at::Tensor h = at::empty({T, hidden}, f32);
-    at::Tensor ids = at::empty({T, top_k}, f32.dtype(at::kLong)), wts = at::empty({T, top_k}, f32);
+    const int64_t chosen = is_moe() ? top_k : 0;  // experts per token
+    at::Tensor ids = at::empty({T, chosen}, f32.dtype(at::kLong)), wts = at::empty({T, chosen}, f32);
     if (T == 0) return {h, ids, wts};
     const int64_t capacity = k_cache.size(0) * k_cache.size(1);
     const int64_t* sp = slots.data_ptr<int64_t>();
@@ -332,7 +364,7 @@ struct DecodeLayer {
       TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "DecodeLayer: slot ", sp[t], " outside the cache");
 
     const float epsf = static_cast<float>(eps);
-    const int64_t E = router.out_features(), qw = heads * head_dim, kw = kv_heads * head_dim;
+    const int64_t E = is_moe() ? router.out_features() : 0, qw = heads * head_dim, kw = kv_heads * head_dim;
     rms_norm(x.data_ptr<float>(), input_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
     clock.mark(kInputNorm);
     std::vector<at::Tensor> qkv{at::empty({T, qw}, f32), at::empty({T, kw}, f32), at::empty({T, kw}, f32)};
@@ -358,11 +390,34 @@ struct DecodeLayer {
     clock.mark(kOProj);
 
     rms_norm(x.data_ptr<float>(), post_norm.data_ptr<float>(), h.data_ptr<float>(), T, hidden, epsf);
+    if (!is_moe()) return {h, ids, wts};  // a dense layer: ids and weights are [T, 0]
     at::Tensor logits = at::empty({T, E}, f32);
     router(h, logits);
     route(logits.data_ptr<float>(), T, E, top_k, normalize, ids.data_ptr<int64_t>(), wts.data_ptr<float>());
     clock.mark(kRouter);
     return {h, ids, wts};
+  }
+
+  // out [T, hidden] += g * down(silu(gate(h)) * up(h)), g = sigmoid(shared_expert_gate(h)) or 1: a
+  // dense layer's MLP, or the shared expert added to the routed experts' sum as transformers adds it.
+  void add_mlp(const at::Tensor& h, at::Tensor& out) const {
+    const int64_t T = h.size(0), I = mlp_gate.out_features();
+    std::vector<at::Tensor> gu{at::empty({T, I}, h.options()), at::empty({T, I}, h.options())};
+    project(h, {&mlp_gate, &mlp_up}, gu);
+    float* g = gu[0].data_ptr<float>();
+    const float* u = gu[1].data_ptr<float>();
+    for (int64_t i = 0, n = T * I; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    at::Tensor d = at::empty({T, hidden}, h.options()), logit = at::zeros({T, 1}, h.options());
+    mlp_down(gu[0], d);
+    const bool gated = shared_expert_gate.weight.defined();
+    if (gated) shared_expert_gate(h, logit);
+    const float* dp = d.data_ptr<float>();
+    const float* lp = logit.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      const float gate = gated ? 1.f / (1.f + std::exp(-lp[t])) : 1.f;
+      for (int64_t i = 0; i < hidden; ++i) op[t * hidden + i] += gate * dp[t * hidden + i];
+    }
   }
 
   static void add_(at::Tensor& x, const at::Tensor& y) {
@@ -561,6 +616,10 @@ void bind_decode_layer(pybind11::module& m) {
       .def_readwrite("v", &DecodeLayer::v)
       .def_readwrite("o", &DecodeLayer::o)
       .def_readwrite("router", &DecodeLayer::router)
+      .def_readwrite("mlp_gate", &DecodeLayer::mlp_gate)
+      .def_readwrite("mlp_up", &DecodeLayer::mlp_up)
+      .def_readwrite("mlp_down", &DecodeLayer::mlp_down)
+      .def_readwrite("shared_expert_gate", &DecodeLayer::shared_expert_gate)
       .def_readwrite("top_k", &DecodeLayer::top_k)
       .def_readwrite("normalize", &DecodeLayer::normalize)
       .def_readwrite("expert_kind", &DecodeLayer::expert_kind)
