@@ -6,7 +6,7 @@ weights are active per token (2 experts x 6 layers, attention, LM head). Hugging
 converter all read) plus a SentencePiece `tokenizer.model` trained here on a small built-in
 text, because llama.cpp's converter needs a tokenizer it recognizes. Nothing is downloaded.
 
-    python benchmarks/make_checkpoint.py OUT_DIR [--layers 6] [--hidden 1024] ...
+    python benchmarks/make_checkpoint.py OUT_DIR [--layers 6] [--hidden 1024] [--arch mixtral|qwen2_moe] ...
 """
 
 from __future__ import annotations
@@ -45,20 +45,27 @@ def train_sentencepiece(out: Path, vocab_size: int) -> None:
 
 def make_checkpoint(out_dir: str | Path, *, layers: int = 6, hidden: int = 1024, intermediate: int = 2816,
                     experts: int = 8, top_k: int = 2, vocab: int = 8000, heads: int = 16, kv_heads: int = 8,
-                    seed: int = 0) -> Path:
+                    seed: int = 0, arch: str = "mixtral") -> Path:
+    """arch "mixtral", or "qwen2_moe": the same shapes plus a sigmoid-gated shared expert of the
+    experts' width in every layer, and Q/K/V biases."""
     import torch
     import transformers as tf
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = tf.MixtralConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=experts,
-        num_experts_per_tok=top_k, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, rope_theta=1e6,
-    )
+    shape = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                 num_key_value_heads=kv_heads, num_experts_per_tok=top_k, max_position_embeddings=4096,
+                 bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rope_theta=1e6)
+    if arch == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(**shape, intermediate_size=intermediate, moe_intermediate_size=intermediate,
+                                shared_expert_intermediate_size=intermediate, num_experts=experts,
+                                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, qkv_bias=True)
+        model_cls = tf.Qwen2MoeForCausalLM
+    else:
+        cfg = tf.MixtralConfig(**shape, intermediate_size=intermediate, num_local_experts=experts)
+        model_cls = tf.MixtralForCausalLM
     torch.manual_seed(seed)
-    model = tf.MixtralForCausalLM(cfg).float()
+    model = model_cls(cfg).float()
     with torch.no_grad():  # a wider router spreads tokens over all experts, as a trained one does
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0.0, 1.0 / hidden**0.5)
@@ -76,9 +83,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--arch", choices=["mixtral", "qwen2_moe"], default="mixtral")
     args = ap.parse_args()
     path = make_checkpoint(args.out_dir, layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
-                           vocab=args.vocab)
+                           vocab=args.vocab, arch=args.arch)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"wrote {path} ({size / 1e9:.2f} GB of safetensors)")
 
