@@ -342,7 +342,8 @@ def build(model: nn.Module) -> NativeDecode | None:
     except Unsupported as exc:
         path, message = None, f"native decode path off, decode runs the torch layers: {exc}"
     else:
-        where = ("inside the call" if path.local_experts else
+        dense_only = all(layer.moe_layer is None for layer in path.layers)
+        where = ("none (dense layers only)" if dense_only else "inside the call" if path.local_experts else
                  "in the experts process, called from the native call" if path.remote is not None else
                  "through the expert executor")
         message = (f"native decode path on: {len(path.layers)} layers, experts {where}, "
