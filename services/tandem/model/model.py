@@ -81,15 +81,14 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, H]
         if max_position is not None:
             self.rotary.reserve(max_position + 1, positions.device)
-        kv = [LayerKV.of(cache, i) for i in range(len(self.model.layers))]
         fused = self._native_path() if self.native_decode else None
         if fused is not None and fused.serves(step, x.shape[0]):
             # float32 hidden states whatever the weights' dtype; the final norm included
             cos_sin = self.rotary.cos_sin(positions, torch.float32, max_position)
-            return fused.forward(x.float(), cos_sin, kv, step)
+            return fused.forward(x.float(), cos_sin, cache, step)
         cos_sin = self.rotary.cos_sin(positions, x.dtype, max_position)
-        for layer, layer_kv in zip(self.model.layers, kv):
-            x = layer(x, cos_sin, layer_kv, step)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, LayerKV.of(cache, i), step)
         return self.model.norm(x)
 
     @torch.inference_mode()
@@ -141,4 +140,4 @@ class CausalLM(nn.Module):
         return F.linear(hidden.to(weight.dtype), weight).float()
 
 
-_NO_SCALE = torch.empty(0)  # linear_forward's scale argument, unused for float32 weights
+_NO_SCALE = torch.empty(0)  # linear_forward's scale argument, unused for float weights

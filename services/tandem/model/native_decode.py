@@ -216,7 +216,7 @@ class NativeDecode:
         return (step.cpu is None and meta is not None and 0 < num_tokens <= self.max_tokens
                 and meta.query_index.shape[1] == 1)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: list[LayerKV],
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                 step: StepAttention) -> torch.Tensor:
         """x [T, H] float32 embeddings -> [T, H] float32 final hidden states, after the final norm (x is
         updated in place). cos_sin: float32 [T, D] each."""
@@ -225,16 +225,15 @@ class NativeDecode:
         window = meta.sliding_window or 0
         self.steps += 1
         if self.natives is not None:
-            args = (self.natives, x, cos, sin, [layer_kv.device["k"] for layer_kv in kv],
-                    [layer_kv.device["v"] for layer_kv in kv], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                    window, self.final_norm, self.final_eps)
+            args = (self.natives, x, cos, sin, *self._device_caches(cache), meta.slot_mapping, meta.block_tables,
+                    meta.seq_lens, window, self.final_norm, self.final_eps)
             done = self._one_call(self.decode_layers, *args)
             if done is not None:
                 out, seconds, ids = done
                 self._observed(seconds, ids)
                 return out
-        for layer, layer_kv in zip(self.layers, kv):  # no data plane connection: Forward over gRPC
-            layer(x, cos, sin, layer_kv, meta, window)
+        for i, layer in enumerate(self.layers):  # no data plane connection: Forward over gRPC
+            layer(x, cos, sin, LayerKV.of(cache, i), meta, window)
         return self.rms_norm(x, self.final_norm, self.final_eps)
 
     def runs_greedy(self, num_seqs: int) -> bool:
@@ -264,8 +263,8 @@ class NativeDecode:
         return True
 
     def _device_caches(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every layer's device-tier K and V caches, listed once per cache (a greedy run's Python is
-        paid once a step)."""
+        """Every layer's device-tier K and V caches, listed once per cache (a decode step's Python is
+        paid once a token)."""
         if self._caches is None or self._caches[0] is not cache:
             layers = [cache.layer(i, DEVICE) for i in range(len(self.layers))]
             self._caches = (cache, [layer["k"] for layer in layers], [layer["v"] for layer in layers])

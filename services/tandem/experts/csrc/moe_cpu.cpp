@@ -461,6 +461,8 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
   });
 }
 
+void silu_mul_f32(const float* g, const float* u, float* out, int64_t n) { silu_mul_for_isa()(g, u, out, n); }
+
 // out [T, N] f32 = x [T, K] times the rows of w [N, K] (see linear_forward_multi).
 void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& scale, at::Tensor& out) {
   std::vector<at::Tensor> outs{out};

@@ -18,6 +18,10 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
 
 void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& scale, at::Tensor& out);
 
+// out[i] = silu(g[i]) * u[i] for n floats (out may be g): the routed experts' SwiGLU activation, on
+// the instruction set in use.
+void silu_mul_f32(const float* g, const float* u, float* out, int64_t n);
+
 void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<at::Tensor>& ws,
                           const std::vector<at::Tensor>& scales, std::vector<at::Tensor>& outs);
 
