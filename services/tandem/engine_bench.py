@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 
@@ -309,9 +310,11 @@ def bench_split(args, concurrency: list[int], bandwidth: dict | None) -> dict:
     result["embedded"] = {k: embedded[k] for k in ("prefill_tok_s", "decode_tok_s", "itl_p50_s", "concurrency")}
     result["rounds"] = rounds
     result["split_vs_embedded_decode"] = statistics.median(ratios)
+    stolen = [r[f"{side}_steal"] for r in rounds for side in ("embedded", "split") if r[f"{side}_steal"] is not None]
+    steal = f"; the hypervisor stole {min(stolen):.0%} to {max(stolen):.0%} of the CPU time" if stolen else ""
     print(f"split ({args.split_cores}): attention on cores {attention_cores}, experts on cores {expert_cores}; decode "
           f"{result['split_vs_embedded_decode']:.2f}x embedded (on all {len(all_cores)} cores), the median of "
-          f"{len(rounds)} alternating rounds ({min(ratios):.2f}x to {max(ratios):.2f}x); full runs: split "
+          f"{len(rounds)} alternating rounds ({min(ratios):.2f}x to {max(ratios):.2f}x{steal}); full runs: split "
           f"{result['decode_tok_s']:.1f} tok/s, embedded {embedded['decode_tok_s']:.1f} tok/s", file=sys.stderr)
     return result
 
@@ -325,15 +328,28 @@ def decode_rounds(sides: dict[str, tuple], rounds: int, prompt_len: int, gen_len
     measured = []
     for r in range(rounds):
         prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
-        tok_s = {}
+        tok_s, steal = {}, {}
         for name in ("embedded", "split") if r % 2 == 0 else ("split", "embedded"):
             engine, cores, threads = sides[name]
             run_on(cores, threads)
+            before = psutil.cpu_times()
             itl = run_requests(engine, [prompt], gen_len)["itl"]
+            steal[name] = steal_share(before, psutil.cpu_times())
             tok_s[name] = len(itl) / sum(itl)
         measured.append({"embedded_decode_tok_s": tok_s["embedded"], "split_decode_tok_s": tok_s["split"],
-                         "ratio": tok_s["split"] / tok_s["embedded"]})
+                         "ratio": tok_s["split"] / tok_s["embedded"],
+                         "embedded_steal": steal["embedded"], "split_steal": steal["split"]})
     return measured
+
+
+def steal_share(before, after) -> float | None:
+    """The share of every CPU's time between two `psutil.cpu_times()` that the hypervisor gave to
+    other guests (steal time: this VM's vCPUs were runnable but not running). None where the kernel
+    does not count it (not Linux)."""
+    if not hasattr(after, "steal"):
+        return None
+    total = sum(after) - sum(before)
+    return (after.steal - before.steal) / total if total > 0 else 0.0
 
 
 def run_on(cores: list[int], threads: int) -> None:

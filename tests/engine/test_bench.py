@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections import namedtuple
 
 import pytest
 import torch
 
 from tandem.cli import main
-from tandem.engine_bench import ExpertTraffic, dense_weight_bytes
+from tandem.engine_bench import ExpertTraffic, dense_weight_bytes, steal_share
 
 
 class _Echo:
@@ -132,9 +133,10 @@ def test_split_bench_pins_cores_passes_quant_and_compares_with_embedded(demo_mod
     for i, r in enumerate(report["rounds"]):
         assert r["embedded_decode_tok_s"] == measured[i, "embedded"] and r["split_decode_tok_s"] == measured[i, "split"]
         assert r["ratio"] == r["split_decode_tok_s"] / r["embedded_decode_tok_s"]
+        assert all(0.0 <= r[f"{side}_steal"] <= 1.0 for side in ("embedded", "split"))  # this is Linux
     ratios = sorted(r["ratio"] for r in report["rounds"])
     assert report["split_vs_embedded_decode"] == ratios[1]  # the median of three
-    assert "x embedded" in err and "median of 3 alternating rounds" in err
+    assert "x embedded" in err and "median of 3 alternating rounds" in err and "the hypervisor stole" in err
     assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads  # restored
     assert procs[0].poll() is not None  # the experts process is gone
     assert len(engines) == 2 and all(engine() is None for engine in engines)  # both engines freed
@@ -156,3 +158,10 @@ def test_multi_step_runs_count_one_gap_per_token(demo_model_dir):
     assert run["generated"] == 9 and len(run["ttft"]) == 1
     assert len(run["itl"]) == 8 and run["itl"][:4] == [run["itl"][0]] * 4 and run["itl"][4:] == [run["itl"][4]] * 4
     assert run["ttft"][0] + sum(run["itl"]) <= run["wall_s"]
+
+
+def test_steal_share_is_the_stolen_part_of_all_cpu_time():
+    times = namedtuple("scputimes", "user system idle steal")
+    assert steal_share(times(10, 5, 80, 5), times(40, 10, 120, 30)) == 25 / 100
+    assert steal_share(times(1, 1, 1, 1), times(1, 1, 1, 1)) == 0.0  # no time passed
+    assert steal_share(namedtuple("t", "user idle")(1, 2), namedtuple("t", "user idle")(3, 4)) is None  # not counted
