@@ -51,6 +51,9 @@ SERVE_FLAGS = {
     "gpu_memory_fraction": "--gpu-memory-fraction",
     "cpu_kv_gib": "--cpu-kv-gib",
     "expert_quant": "--expert-quant",
+    # routed experts from a llama.cpp GGUF file (Q8_0, Q4_0, Q4_K...) instead of the checkpoint's
+    # own weights; the file's types decide their format, so it excludes --expert-quant
+    "experts_gguf": "--experts-gguf",
     "cpu_decode": "--cpu-decode",  # a boolean flag: the operator renders it or no_cpu_decode
     "no_cpu_decode": "--no-cpu-decode",
     "spin_us": "--spin-us",  # rendered only when spec.experts.spinMicroseconds is set
