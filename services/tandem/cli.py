@@ -80,6 +80,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--threads", type=int, help="CPU threads for the experts (default: all cores)")
     p.add_argument("--expert-quant", choices=["none", "int8", "int4"], default="none")
+    p.add_argument("--experts-gguf", metavar="FILE",
+                   help="take the routed experts from this llama.cpp GGUF file (Q4_0, Q4_K, Q8_0, ...; its types "
+                        "decide their format, so not with --expert-quant), the rest of the model from --model")
     add_dense_quant_arg(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int)
@@ -137,7 +140,7 @@ def build_engine(args):
         return LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config,
                                          expert_executor=getattr(args, "expert_executor", None),
                                          expert_threads=args.threads, expert_quant=args.expert_quant,
-                                         dense_quant=args.dense_quant)
+                                         dense_quant=args.dense_quant, experts_gguf=args.experts_gguf)
     except (ModelError, ValueError) as e:
         raise UsageError(str(e)) from None
 

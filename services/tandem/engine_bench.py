@@ -370,6 +370,8 @@ def start_split_experts(args, cores: list[int], spin_us: int = 0):
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--role", "experts", "--model", args.model,
            "--listen", f"unix:{sock}", "--metrics-port", "0", "--threads", str(len(cores)),
            "--expert-quant", args.expert_quant, "--spin-us", str(spin_us)]
+    if args.experts_gguf:
+        cmd += ["--experts-gguf", args.experts_gguf]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     # taskset pins before Python starts, so every thread the process makes inherits the cores

@@ -1,5 +1,6 @@
-"""Q8_0 expert tensors from a GGUF file (written here by the gguf package's own writer from a
-random checkpoint) into the executor's int8 format."""
+"""Routed experts from llama.cpp GGUF files (written here by the gguf package's own writer), into
+the executor's formats: each conversion against the gguf package's reference dequantization, and a
+whole model whose experts come from a GGUF file against transformers on the same weights."""
 
 from __future__ import annotations
 
@@ -7,43 +8,58 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 
+from tandem.cli import main
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
 from tandem.experts.base import ExpertWeights
 from tandem.experts.factory import make_expert_executor
-from tandem.experts.gguf_q8 import load_q8_0_experts, q8_0_to_int8
+from tandem.experts.gguf_experts import gguf_quant, load_gguf_experts, q4_0_to_int4, q4_k_to_int4, q8_0_to_int8
+from tandem.experts.quant import Int4Weight, Int8Weight, dequantize_int4, dequantize_int8
 from tandem.experts.torch_executor import TorchExpertExecutor
+from tandem.model.config import ModelError
 
-Q8_0 = gguf.GGMLQuantizationType.Q8_0
-E, H, I, K = 4, 128, 96, 2
+T = gguf.GGMLQuantizationType
+E, H, I, K = 4, 256, 256, 2
 
 
 def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.fixture(scope="module")
-def checkpoint():
-    """layer -> (gate [E, I, H], up [E, I, H], down [E, H, I]) float32, as a model's experts."""
-    g = torch.Generator().manual_seed(0)
-    return {layer: (torch.randn(E, I, H, generator=g) / H**0.5, torch.randn(E, I, H, generator=g) / H**0.5,
-                    torch.randn(E, H, I, generator=g) / I**0.5) for layer in (0, 1)}
+def random_blocks(qtype, e: int, n: int, k: int, g: torch.Generator) -> np.ndarray:
+    """Random bytes in `qtype`'s block layout [e, n, k / block * bytes], with sane fp16 factors:
+    the gguf package cannot quantize to K-quants, and any codes and 6-bit scales are valid."""
+    weights, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = torch.randint(0, 256, (e, n, k // weights, nbytes), generator=g, dtype=torch.uint8)
+
+    def fp16(lo, hi):
+        return (lo + (hi - lo) * torch.rand(e, n, k // weights, generator=g)).half().view(torch.uint8).reshape(
+            e, n, k // weights, 2)
+
+    if qtype == T.Q4_K:  # d, dmin first: w = d sc q - dmin m, sc, m in 0..63, q in 0..15
+        raw[..., 0:2], raw[..., 2:4] = fp16(2e-4, 6e-4), fp16(2e-4, 8e-4)
+    elif qtype == T.Q6_K:  # d last: w = d sc (q - 32), sc int8
+        raw[..., -2:] = fp16(1e-5, 3e-5)
+    else:
+        raise AssertionError(qtype)
+    return raw.reshape(e, n, -1).numpy()
 
 
-def write_gguf(path, checkpoint, qtype=Q8_0, skip: str = ""):
+def reference(blocks: np.ndarray, qtype) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, object]]):
+    """name -> (data, type): quantized bytes with their type, or float32 weights (type None)."""
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(len(checkpoint))
-    writer.add_expert_count(E)
-    for layer, tensors in checkpoint.items():
-        for name, w in zip(("gate", "up", "down"), tensors):
-            if name == skip:
-                continue
-            data = w.numpy()
-            if qtype == Q8_0:
-                writer.add_tensor(f"blk.{layer}.ffn_{name}_exps.weight", gguf.quants.quantize(data, Q8_0),
-                                  raw_dtype=Q8_0)
-            else:
-                writer.add_tensor(f"blk.{layer}.ffn_{name}_exps.weight", data)
-    writer.add_tensor("output_norm.weight", np.ones(H, dtype=np.float32))  # not an expert: ignored
+    for name, (data, qtype) in tensors.items():
+        if qtype is None:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))  # not an expert: ignored
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -51,43 +67,193 @@ def write_gguf(path, checkpoint, qtype=Q8_0, skip: str = ""):
     return path
 
 
-def test_q8_0_experts_compute_what_the_float_checkpoint_does(tmp_path, checkpoint):
-    layers = load_q8_0_experts(write_gguf(tmp_path / "m.gguf", checkpoint))
-    assert sorted(layers) == [0, 1] and layers[0].gate_up.shape == (E, 2 * I, H)
-    assert layers[0].gate_up.q.dtype == torch.int8 and layers[0].down.shape == (E, H, I)
-    ex = make_expert_executor(layers, quant="int8", threads=1)
-    exact = TorchExpertExecutor({layer: ExpertWeights(torch.cat([g, u], dim=1), d)
-                                 for layer, (g, u, d) in checkpoint.items()})
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(5, H, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)])
-    weights = torch.full((5, K), 0.5)
-    for layer in (0, 1):
-        # Q8_0 (~0.5%), requantized per row (~0.6% more), Q8 activations (~0.5%): under 2.5%
-        err = rel_err(ex.forward(layer, hidden, ids, weights), exact.forward(layer, hidden, ids, weights))
-        assert 0 < err < 0.025
+def expert_names(layer: int) -> list[str]:
+    return [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+
+
+def test_q4_0_blocks_are_int4_groups_exactly():
+    w = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(0)).numpy()
+    blocks = gguf.quants.quantize(w, T.Q4_0)
+    int4 = q4_0_to_int4(blocks)
+    assert int4.group_size == 32 and int4.shape == (2, 8, 128)
+    assert torch.equal(dequantize_int4(int4), reference(blocks, T.Q4_0))  # scale d, min -8d: the same numbers
+
+
+def test_q4_k_blocks_are_int4_groups_up_to_fp16_scales():
+    blocks = random_blocks(T.Q4_K, 2, 8, 512, torch.Generator().manual_seed(1))
+    int4 = q4_k_to_int4(blocks)
+    want = reference(blocks, T.Q4_K)  # ggml's dequantize_row_q4_K, in the gguf package
+    assert int4.group_size == 32 and int4.shape == (2, 8, 512)
+    got = dequantize_int4(int4)
+    # The codes are the file's; each sub-block's d * sc and dmin * m rounded to fp16 (2^-11 relative).
+    bound = (want.abs() * 2.0**-10 + 1e-7).reshape(2, 8, 16, 32)
+    assert ((got - want).abs().reshape(2, 8, 16, 32) <= bound.amax(dim=-1, keepdim=True)).all()
+    assert 0 < rel_err(got, want) < 1e-3
 
 
 def test_requantized_rows_stay_within_half_a_step_of_q8_0():
     w = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(2)).numpy()
-    blocks = gguf.quants.quantize(w, Q8_0)
-    q8 = torch.from_numpy(gguf.quants.dequantize(blocks, Q8_0))  # [2, 8, 64]
+    blocks = gguf.quants.quantize(w, T.Q8_0)
+    q8 = reference(blocks, T.Q8_0)  # [2, 8, 64]
     int8 = q8_0_to_int8(blocks)
-    deq = int8.q.float() * int8.scale[..., None]
-    assert ((deq - q8).abs() <= int8.scale[..., None] / 2 + 1e-6).all()
+    assert ((dequantize_int8(int8) - q8).abs() <= int8.scale[..., None] / 2 + 1e-6).all()
     assert int8.q.abs().amax(dim=-1).eq(127).all()  # each row's largest weight uses the full range
 
 
-def test_other_types_missing_tensors_and_non_gguf_files_are_refused(tmp_path, checkpoint):
-    with pytest.raises(ValueError, match="only Q8_0"):
-        load_q8_0_experts(write_gguf(tmp_path / "f32.gguf", checkpoint, qtype=None))
-    with pytest.raises(ValueError, match="no ffn_up_exps"):
-        load_q8_0_experts(write_gguf(tmp_path / "noup.gguf", checkpoint, skip="up"))
+@pytest.fixture(scope="module")
+def mixed_file(tmp_path_factory):
+    """A GGUF file as llama.cpp's Q4_K_M writes them, and the gguf package's reading of it:
+    layer 0 in Q4_K and Q4_0 (int4), layer 1 Q4_K with ffn_down in Q6_K (int8), layer 2 in Q8_0."""
+    g = torch.Generator().manual_seed(3)
+    q4_0 = gguf.quants.quantize((torch.randn(E, I, H, generator=g) / 16).numpy(), T.Q4_0)
+    q8_0 = [gguf.quants.quantize((torch.randn(*s, generator=g) / 16).numpy(), T.Q8_0) for s in ((E, I, H),) * 2]
+    q8_0.append(gguf.quants.quantize((torch.randn(E, H, I, generator=g) / 16).numpy(), T.Q8_0))
+    layers = {
+        0: [(random_blocks(T.Q4_K, E, I, H, g), T.Q4_K), (q4_0, T.Q4_0), (random_blocks(T.Q4_K, E, H, I, g), T.Q4_K)],
+        1: [(random_blocks(T.Q4_K, E, I, H, g), T.Q4_K), (random_blocks(T.Q4_K, E, I, H, g), T.Q4_K),
+            (random_blocks(T.Q6_K, E, H, I, g), T.Q6_K)],
+        2: [(b, T.Q8_0) for b in q8_0],
+    }
+    tensors = {name: t for layer, ts in layers.items() for name, t in zip(expert_names(layer), ts)}
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / "experts.gguf", tensors)
+    want = {layer: [reference(data, qtype) for data, qtype in ts] for layer, ts in layers.items()}
+    return path, want
+
+
+def test_each_layer_takes_the_format_its_tensors_share(mixed_file):
+    path, want = mixed_file
+    layers = load_gguf_experts(path)
+    assert sorted(layers) == [0, 1, 2] and gguf_quant(layers) == "int4"
+    assert isinstance(layers[0].gate_up, Int4Weight) and isinstance(layers[0].down, Int4Weight)
+    assert isinstance(layers[1].gate_up, Int8Weight) and isinstance(layers[1].down, Int8Weight)  # Q6_K: not 4 bits
+    assert isinstance(layers[2].gate_up, Int8Weight)
+    bounds = {0: 1e-3, 1: 0.01, 2: 0.01}  # fp16 scales; int8 rows (half a step of the row's largest)
+    for layer, (gate, up, down) in want.items():
+        w = layers[layer]
+        deq = dequantize_int4 if isinstance(w.gate_up, Int4Weight) else dequantize_int8
+        assert rel_err(deq(w.gate_up), torch.cat([gate, up], dim=1)) < bounds[layer]
+        assert rel_err(deq(w.down), down) < bounds[layer]
+
+
+def test_the_kernels_compute_what_the_file_holds(mixed_file):
+    path, want = mixed_file
+    ex = make_expert_executor(load_gguf_experts(path), quant="int4", threads=2)
+    exact = TorchExpertExecutor({layer: ExpertWeights(torch.cat([g, u], dim=1), d)
+                                 for layer, (g, u, d) in want.items()})
+    g = torch.Generator().manual_seed(4)
+    for tokens in (3, 40):  # decode-sized (the native GEMV) and prefill-sized batches
+        hidden = torch.randn(tokens, H, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+        weights = torch.full((tokens, K), 0.5)
+        for layer in want:
+            # int8 activations of the native kernels (~0.5%), fp16 Q4_K scales, int8 rows: under 3%
+            err = rel_err(ex.forward(layer, hidden, ids, weights), exact.forward(layer, hidden, ids, weights))
+            assert 0 < err < 0.03, (tokens, layer, err)
+
+
+def test_unreadable_and_incomplete_files_are_refused(tmp_path, mixed_file):
     with pytest.raises(ValueError, match="is not a file"):
-        load_q8_0_experts(tmp_path / "absent.gguf")
+        load_gguf_experts(tmp_path / "absent.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_gguf_experts(tmp_path / "junk.gguf")
+    g = torch.Generator().manual_seed(5)
+    q4k = random_blocks(T.Q4_K, E, I, H, g)
+    gate, up, _ = expert_names(0)
+    with pytest.raises(ValueError, match="no ffn_down_exps tensor"):
+        load_gguf_experts(write_gguf(tmp_path / "nodown.gguf", {gate: (q4k, T.Q4_K), up: (q4k, T.Q4_K)}))
+    with pytest.raises(ValueError, match="no routed-expert tensors"):
+        load_gguf_experts(write_gguf(tmp_path / "none.gguf", {}))
+    wrong_down = random_blocks(T.Q4_K, E, H, 2 * I, g)  # [E, H, 2I]: not the gate's [E, I, H] turned
+    with pytest.raises(ValueError, match="do not form"):
+        load_gguf_experts(write_gguf(tmp_path / "shapes.gguf", {
+            gate: (q4k, T.Q4_K), up: (q4k, T.Q4_K), expert_names(0)[2]: (wrong_down, T.Q4_K)}))
 
 
-def test_int8_weights_need_int8_quant(tmp_path, checkpoint):
-    layers = load_q8_0_experts(write_gguf(tmp_path / "m.gguf", checkpoint))
-    with pytest.raises(ValueError, match="need quant='int8'"):
+def test_quantized_weights_need_one_format_and_a_quantizing_executor(mixed_file):
+    layers = load_gguf_experts(mixed_file[0])
+    with pytest.raises(ValueError, match="quant int8 or int4"):
         make_expert_executor(layers, quant="none", threads=1)
+    mixed = {0: ExpertWeights(layers[0].gate_up, layers[1].down)}
+    with pytest.raises(ValueError, match="one format"):
+        make_expert_executor(mixed, quant="int4", threads=1)
+
+
+# A whole model: the checkpoint's experts written as a GGUF file (layer 0 Q4_K with up in Q4_0,
+# layer 1 Q4_K with down in Q6_K), and the same checkpoint with the experts replaced by the gguf
+# package's reading of that file, which transformers runs.
+
+GEN = 12
+PROMPTS = [[5, 17, 42, 9, 100, 3], [250, 7, 7, 81], [11, 12, 13, 14, 15, 16, 17, 18], [300, 3, 64, 128, 200]]
+
+
+@pytest.fixture(scope="module")
+def gguf_model(demo_model_dir, tmp_path_factory):
+    """(checkpoint dir, GGUF file of its experts, reference dir: the checkpoint with the file's experts)."""
+    src = demo_model_dir("mixtral", hidden_size=H, intermediate_size=I, initializer_range=0.2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    cfg = model.config
+    g = torch.Generator().manual_seed(6)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        e = cfg.num_local_experts
+        gate, up, down = (random_blocks(T.Q4_K, e, I, H, g), T.Q4_K), (random_blocks(T.Q4_K, e, I, H, g), T.Q4_K), \
+            (random_blocks(T.Q6_K if layer else T.Q4_K, e, H, I, g), T.Q6_K if layer else T.Q4_K)
+        if layer == 0:
+            up = (gguf.quants.quantize((torch.randn(e, I, H, generator=g) / 8).numpy(), T.Q4_0), T.Q4_0)
+        tensors.update(zip(expert_names(layer), (gate, up, down)))
+        experts = model.model.layers[layer].mlp.experts
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(torch.cat([reference(*gate), reference(*up)], dim=1))
+            experts.down_proj.copy_(reference(*down))
+    tmp = tmp_path_factory.mktemp("gguf-model")
+    model.save_pretrained(tmp / "reference")
+    return src, write_gguf(tmp / "experts.gguf", tensors), tmp / "reference"
+
+
+def hf_continuations(model_dir) -> tuple[list[list[int]], list[torch.Tensor]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    tokens, logits = [], []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=GEN, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+            tokens.append(out.sequences[0, len(prompt):].tolist())
+            logits.append(torch.stack([step[0] for step in out.logits]))  # [GEN, V]
+    return tokens, logits
+
+
+def test_a_model_with_gguf_experts_matches_transformers_on_the_same_weights(gguf_model):
+    src, path, ref_dir = gguf_model
+    want_tokens, want_logits = hf_continuations(ref_dir)
+    engine = LLMEngine.from_pretrained(src, device="cpu", dtype="float32", experts_gguf=path, expert_threads=2)
+    assert engine.model.model.layers[0].mlp.executor.quant == "int4"
+    logits = {}
+    engine.runner.logits_hook = lambda rid, row: logits.setdefault(rid, row.clone())
+    # Teacher forcing: at each position of transformers' greedy continuation, the same prefix.
+    forced = [p + ref[:i] for p, ref in zip(PROMPTS, want_tokens) for i in range(GEN)]
+    done = engine.generate(forced, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    got = torch.stack([logits[c.request_id] for c in done])  # [prompts * GEN, V]
+    want = torch.cat(want_logits)
+    agree = sum(c.token_ids[0] == w for c, w in zip(done, (t for ref in want_tokens for t in ref))) / len(done)
+    assert agree >= 0.95, f"{agree:.0%} of the positions agree"
+    assert rel_err(got, want) < 0.02  # the kernels' int8 activations, fp16 Q4_K scales, int8 Q6_K rows
+
+
+def test_generate_takes_experts_from_a_gguf_file(gguf_model, capsys):
+    src, path, _ = gguf_model
+    assert main(["generate", "--model", str(src), "--experts-gguf", str(path), "--prompt-ids", "5,17,42",
+                 "--max-tokens", "4", "--device", "cpu", "--json"]) == 0
+    assert len(__import__("json").loads(capsys.readouterr().out)["token_ids"]) == 4
+    assert main(["generate", "--model", str(src), "--experts-gguf", str(path), "--expert-quant", "int8",
+                 "--prompt-ids", "5", "--device", "cpu"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+
+
+def test_a_gguf_file_of_another_model_is_refused(gguf_model, demo_model_dir):
+    _, path, _ = gguf_model
+    with pytest.raises(ModelError, match="layer 0 has 8 experts of \\[256, 256\\].*the checkpoint 8 of \\[128, 64\\]"):
+        LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu", experts_gguf=path)
+    with pytest.raises(ModelError, match="no routed experts"):
+        LLMEngine.from_pretrained(demo_model_dir("llama"), device="cpu", experts_gguf=path)

@@ -19,7 +19,8 @@ def test_every_contract_flag_is_accepted(tmp_path):
               "dtype": "bfloat16", "threads": "3", "block_size": "32", "gpu_memory_fraction": "0.5",
               "cpu_kv_gib": "2", "expert_quant": "int8", "spin_us": "20000", "num_scheduler_steps": "4"}
     switches = {"cpu_decode": True, "no_cpu_decode": False}  # flags without a value
-    assert set(values) | set(switches) == set(contract.SERVE_FLAGS)
+    # --experts-gguf goes with neither --role attention nor --expert-quant: see the test below
+    assert set(values) | set(switches) | {"experts_gguf"} == set(contract.SERVE_FLAGS)
     argv = [a for key, flag in contract.SERVE_FLAGS.items() if key in values for a in (flag, values[key])]
     opts = parse(*argv)
     assert (opts.role, opts.experts, opts.kv_shm, opts.metrics_port) == (
@@ -67,3 +68,20 @@ def test_dense_quant_reaches_the_options_and_bad_values_exit_2(tmp_path, capsys)
     with pytest.raises(SystemExit) as exc:
         parse("--model", str(tmp_path), contract.DENSE_QUANT_FLAG, "int3")
     assert exc.value.code == 2
+
+
+def test_experts_gguf_is_for_the_process_holding_the_experts_in_the_files_format(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "experts.gguf").write_bytes(b"GGUF")
+    flag, path = contract.SERVE_FLAGS["experts_gguf"], str(tmp_path / "experts.gguf")
+    for role in ("all", "experts"):
+        assert parse("--model", str(tmp_path), "--role", role, flag, path).experts_gguf == path
+    assert parse("--model", str(tmp_path)).experts_gguf is None
+    for argv, message in [
+        (["--role", "attention", "--experts", contract.EXPERTS_SOCKET, flag, path], "not --role attention"),
+        ([flag, path, "--expert-quant", "int4"], "--experts-gguf and --expert-quant exclude each other"),
+        ([flag, str(tmp_path / "absent.gguf")], "absent.gguf is not a file"),
+    ]:
+        assert main(["serve", "--model", str(tmp_path), *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1

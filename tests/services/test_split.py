@@ -26,12 +26,12 @@ from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7, 7, 300, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
 
 
-def start_pair(serve_process, model, tmp_path, wait: bool = True):
+def start_pair(serve_process, model, tmp_path, wait: bool = True, experts_flags: tuple[str, ...] = ()):
     """An experts process and an attention process calling it over a unix socket, sharing the CPU KV file."""
     shm = str(tmp_path / "shm" / "kv")
     socket = f"unix:{tmp_path}/experts.sock"
     experts = serve_process("--model", str(model), "--role", "experts", "--listen", socket,
-                            "--metrics-port", "0", "--kv-shm", shm, wait=wait)
+                            "--metrics-port", "0", "--kv-shm", shm, *experts_flags, wait=wait)
     attention = serve_process("--model", str(model), "--role", "attention", "--experts", socket,
                               "--listen", "127.0.0.1:0", "--metrics-port", "0", "--kv-shm", shm, "--device", "cpu",
                               *SMALL_ENGINE, wait=wait)
@@ -78,6 +78,40 @@ async def test_split_pair_generates_what_the_embedded_server_does(serve_process,
     if arch == "mixtral":  # `tandem generate --server` prints what the local command prints
         await check_remote_generate_matches_local(model, attention.address, embedded.address)
         await check_experts_read_the_shared_cpu_tier(experts.address, tmp_path / "shm" / "kv")
+
+
+async def test_split_pair_with_gguf_experts_generates_what_the_embedded_server_does(serve_process, model_dir,
+                                                                                      tmp_path):
+    # The experts process takes the routed experts from a llama.cpp GGUF file (Q4_0: int4 on its
+    # kernels); the embedded server takes them from the same file.
+    import gguf
+
+    model = model_dir("mixtral")
+    config = json.loads((model / "config.json").read_text())
+    e, i, h = config["num_local_experts"], config["intermediate_size"], config["hidden_size"]
+    g, q4_0 = torch.Generator().manual_seed(0), gguf.GGMLQuantizationType.Q4_0
+    path = tmp_path / "experts.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for layer in range(config["num_hidden_layers"]):
+        for name, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i))):
+            w = (torch.randn(*shape, generator=g) / shape[2] ** 0.5).numpy()
+            writer.add_tensor(f"blk.{layer}.ffn_{name}_exps.weight", gguf.quants.quantize(w, q4_0), raw_dtype=q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    experts, attention = start_pair(serve_process, model, tmp_path, wait=False,
+                                    experts_flags=("--experts-gguf", str(path)))
+    embedded = serve_process("--model", str(model), "--listen", f"unix:{tmp_path}/embedded.sock", "--metrics-port", "0",
+                             "--device", "cpu", "--experts-gguf", str(path), *SMALL_ENGINE, wait=False)
+    plain = serve_process("--model", str(model), "--listen", f"unix:{tmp_path}/plain.sock", "--metrics-port", "0",
+                          "--device", "cpu", *SMALL_ENGINE, wait=False)
+    for proc in (experts, attention, embedded, plain):
+        proc.wait_listening()
+    await asyncio.gather(*(wait_health(p.address, SERVING) for p in (experts, attention, embedded, plain)))
+    split, alone, own = await asyncio.gather(*(generate_all(p.address) for p in (attention, embedded, plain)))
+    assert split == alone and all(len(ids) == 12 for ids in split)
+    assert split != own  # the experts are the file's, not the checkpoint's
 
 
 # A device KV tier of 6 blocks of 4 tokens: every prompt here outgrows it within 24 new tokens.

@@ -130,12 +130,14 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device=None, dtype=None, config: EngineConfig | None = None,
                         expert_executor: ExpertExecutor | None = None, expert_threads: int | None = None,
-                        expert_quant: str = "none", dense_quant: str = "none") -> "LLMEngine":
+                        expert_quant: str = "none", dense_quant: str = "none",
+                        experts_gguf: str | Path | None = None) -> "LLMEngine":
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for, but no CUDA device is available")
         model, _ = load_model(model_dir, device=device, dtype=dtype, executor=expert_executor,
-                              expert_threads=expert_threads, expert_quant=expert_quant, dense_quant=dense_quant)
+                              expert_threads=expert_threads, expert_quant=expert_quant, dense_quant=dense_quant,
+                              experts_gguf=experts_gguf)
         return cls(model, load_tokenizer(model_dir), device, config)
 
     def _num_blocks(self, layout: KVLayout) -> tuple[int, int]:

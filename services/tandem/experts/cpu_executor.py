@@ -141,18 +141,24 @@ class CpuExpertExecutor:
 def prepare_layer(w: ExpertWeights, quant: str, group_size: int = 32, torch_decode: bool = False) -> PreparedLayer:
     """Check one layer's expert weights and convert them to the executor's storage.
 
-    Weights already in int8 (`Int8Weight`, e.g. from a Q8_0 GGUF) are taken as they are, for quant "int8"."""
+    Weights already quantized (`Int8Weight`s or `Int4Weight`s, e.g. from a GGUF file, see
+    tandem.experts.gguf_experts) are taken as they are, both projections in one format, by an
+    executor that quantizes (quant "int8" or "int4"; its quant sets the prefill threshold)."""
     gu, dn = w.gate_up, w.down
     if len(gu.shape) != 3 or len(dn.shape) != 3:
         raise ValueError(f"gate_up must be [E, 2I, H] and down [E, H, I], got {tuple(gu.shape)} and {tuple(dn.shape)}")
     e, two_i, h = gu.shape
     if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2):
         raise ValueError(f"down {tuple(dn.shape)} does not match gate_up {tuple(gu.shape)}: want [E, H, I]")
-    prequantized = isinstance(gu, Int8Weight), isinstance(dn, Int8Weight)
-    if any(prequantized):
-        if not all(prequantized) or quant != "int8":
-            raise ValueError(f"int8 expert weights need quant='int8' for both projections (got quant={quant!r})")
+    if isinstance(gu, (Int8Weight, Int4Weight)) or isinstance(dn, (Int8Weight, Int4Weight)):
+        if type(gu) is not type(dn) or quant == "none":
+            raise ValueError(f"quantized expert weights need both projections in one format and quant int8 or "
+                             f"int4 (got {type(gu).__name__} and {type(dn).__name__}, quant={quant!r})")
         gate_up, down = gu, dn
+        if isinstance(gu, Int4Weight):
+            if gu.group_size != dn.group_size:
+                raise ValueError(f"int4 expert weights in groups of {gu.group_size} and {dn.group_size}")
+            group_size = gu.group_size
     else:
         gate_up, down = quantize(gu, quant, group_size), quantize(dn, quant, group_size)
     layer = PreparedLayer(gate_up, down, e, h, two_i // 2, group_size)

@@ -97,14 +97,20 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     mn = lo.half()
     q = torch.round((groups - mn.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
-    q = q.to(torch.uint8).reshape(e, n, k // _INT4_BLOCK, 2, _INT4_BLOCK // 2)  # [.., block, lo|hi, 16]
-    packed = q[..., 0, :] | (q[..., 1, :] << 4)  # [E, N, K/32, 16]
     return Int4Weight(
-        packed=packed.reshape(e, n, k // 2).contiguous(),
+        packed=pack_int4(q.to(torch.uint8).reshape(e, n, k)),
         scale=scale.contiguous(),
         min=mn.contiguous(),
         group_size=group_size,
     )
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [E, N, K] uint8 -> packed [E, N, K/2] uint8 in int4's block layout."""
+    e, n, k = codes.shape
+    q = codes.reshape(e, n, k // _INT4_BLOCK, 2, _INT4_BLOCK // 2)  # [.., block, lo|hi, 16]
+    packed = q[..., 0, :] | (q[..., 1, :] << 4)  # [E, N, K/32, 16]
+    return packed.reshape(e, n, k // 2).contiguous()
 
 
 def unpack_int4(w: Int4Weight) -> torch.Tensor:

@@ -10,6 +10,7 @@ import json
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 from tandem.experts.base import ExpertExecutor, ExpertWeights
 from tandem.model.config import ModelConfig, ModelError, load_config
-from tandem.model.fp8 import dequantize_stream
+from tandem.model.fp8 import SCALE_SUFFIX, dequantize_stream
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.model import CausalLM
 from tandem.model.quant_linear import quantize_dense_
@@ -56,8 +57,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise ModelError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
 
 
-def iter_tensors(model_dir: Path, desc: str):
-    """Yield (name, tensor) over every shard, with a progress bar for large checkpoints."""
+def iter_tensors(model_dir: Path, desc: str, skip: Callable[[str], bool] | None = None):
+    """Yield (name, tensor) over every shard, with a progress bar for large checkpoints; the names
+    `skip` is true for are not read."""
     files = checkpoint_files(model_dir)
     total = sum(f.stat().st_size for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
@@ -65,18 +67,24 @@ def iter_tensors(model_dir: Path, desc: str):
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
+                    if skip is not None and skip(name):
+                        continue
                     tensor = f.get_tensor(name)
                     bar.update(tensor.numel() * tensor.element_size())
                     yield name, tensor
 
 
-def checkpoint_tensors(model_dir: Path, cfg: ModelConfig, desc: str):
-    """`iter_tensors` as the model sees it: FP8 weights dequantized, layers past the last one skipped.
+def checkpoint_tensors(model_dir: Path, cfg: ModelConfig, desc: str, experts: bool = True):
+    """`iter_tensors` as the model sees it: FP8 weights dequantized, layers past the last one skipped;
+    with experts False, the routed experts' tensors (and their FP8 scales) are not read.
 
     DeepSeek-V3 ships its multi-token-prediction module as `model.layers.{num_hidden_layers}.*`;
     plain decoding never runs it, so it is neither dequantized nor kept.
     """
-    kept = ((name, t) for name, t in iter_tensors(model_dir, desc) if _layer_index(name) < cfg.num_layers)
+    def skip(name: str) -> bool:
+        return not experts and is_expert_tensor(name.removesuffix(SCALE_SUFFIX))
+
+    kept = ((name, t) for name, t in iter_tensors(model_dir, desc, skip) if _layer_index(name) < cfg.num_layers)
     return dequantize_stream(kept, cfg.fp8_block_size)
 
 
@@ -131,8 +139,12 @@ def _model_key(name: str) -> str:
 
 def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dtype=None,
                executor: ExpertExecutor | None = None, expert_threads: int | None = None,
-               expert_quant: str = "none", dense_quant: str = "none") -> tuple[CausalLM, ExpertExecutor | None]:
-    """Build the model on `device`. Without an executor, the routed experts load into an in-process one.
+               expert_quant: str = "none", dense_quant: str = "none",
+               experts_gguf: str | Path | None = None) -> tuple[CausalLM, ExpertExecutor | None]:
+    """Build the model on `device`. Without an executor, the routed experts load into an in-process
+    one: from the checkpoint, or with `experts_gguf` from that llama.cpp GGUF file in its own
+    formats (`tandem.experts.gguf_experts`; the checkpoint's expert tensors are then not read and
+    may be absent).
 
     dense_quant: "none" or "int8" for every dense linear layer (`tandem.model.quant_linear`).
     """
@@ -140,7 +152,9 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     cfg = load_config(model_dir)
     dtype = resolve_dtype(cfg, dtype)
     device = torch.device(device)
-    collector = ExpertCollector(cfg, dtype) if executor is None and cfg.is_moe else None
+    if experts_gguf is not None and executor is None:
+        _check_gguf_args(cfg, expert_quant)
+    collector = ExpertCollector(cfg, dtype) if executor is None and cfg.is_moe and experts_gguf is None else None
     with torch.device("meta"):
         model = CausalLM(cfg, executor)
     model = model.to_empty(device=device).to(dtype)
@@ -148,7 +162,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     model.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim).to(device)
     params = dict(model.named_parameters())
     loaded = set()
-    for name, tensor in checkpoint_tensors(model_dir, cfg, "loading weights"):
+    for name, tensor in checkpoint_tensors(model_dir, cfg, "loading weights", experts=collector is not None):
         if is_expert_tensor(name):
             if collector is not None:
                 collector.add(name, tensor)
@@ -167,8 +181,11 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-    if collector is not None:
-        executor = _make_executor(collector.build(), expert_threads, expert_quant)
+    if executor is None and cfg.is_moe:
+        if experts_gguf is not None:
+            executor = _gguf_executor(cfg, experts_gguf, expert_threads)
+        else:
+            executor = _make_executor(collector.build(), expert_threads, expert_quant)
         for layer in model.model.layers:
             if hasattr(layer.mlp, "executor"):
                 layer.mlp.executor = executor
@@ -200,8 +217,39 @@ def load_expert_weights(model_dir: str | Path, dtype=None) -> dict[int, ExpertWe
 
 
 def build_expert_executor(model_dir: str | Path, *, dtype=None, threads: int | None = None,
-                          quant: str = "none") -> ExpertExecutor:
-    return _make_executor(load_expert_weights(model_dir, dtype), threads, quant)
+                          quant: str = "none", experts_gguf: str | Path | None = None) -> ExpertExecutor:
+    """The routed experts of the checkpoint (or, with `experts_gguf`, of that GGUF file for the
+    checkpoint's config) in an in-process executor."""
+    if experts_gguf is None:
+        return _make_executor(load_expert_weights(model_dir, dtype), threads, quant)
+    cfg = load_config(Path(model_dir))
+    _check_gguf_args(cfg, quant)
+    return _gguf_executor(cfg, experts_gguf, threads)
+
+
+def _check_gguf_args(cfg: ModelConfig, expert_quant: str) -> None:
+    if not cfg.is_moe:
+        raise ModelError(f"{cfg.architecture} has no routed experts to load from a GGUF file")
+    if expert_quant != "none":
+        raise ValueError(f"expert quantization {expert_quant!r} and a GGUF experts file exclude each other: "
+                         "the file's types decide the experts' format")
+
+
+def _gguf_executor(cfg: ModelConfig, path: str | Path, threads: int | None) -> ExpertExecutor:
+    """An executor for the routed experts of `path` (a llama.cpp GGUF file), checked against the
+    checkpoint's config: the same MoE layers, and each layer's experts of its shapes."""
+    from tandem.experts.gguf_experts import gguf_quant, load_gguf_experts
+
+    layers = load_gguf_experts(path)
+    if sorted(layers) != sorted(cfg.moe_layers):
+        raise ModelError(f"{path}: routed experts for layers {sorted(layers)}, but the checkpoint's MoE layers "
+                         f"are {sorted(cfg.moe_layers)}")
+    e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for layer, w in layers.items():
+        if tuple(w.gate_up.shape) != (e, 2 * i, h):
+            raise ModelError(f"{path}: layer {layer} has {w.gate_up.shape[0]} experts of [{w.gate_up.shape[1] // 2}, "
+                             f"{w.gate_up.shape[2]}] (gate), the checkpoint {e} of [{i}, {h}]")
+    return _make_executor(layers, threads, gguf_quant(layers))
 
 
 def _make_executor(layers: dict[int, ExpertWeights], threads: int | None, quant: str) -> ExpertExecutor:

@@ -47,6 +47,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "device tier has room")
     p.add_argument(F["expert_quant"], choices=contract.EXPERT_QUANTS, default="none",
                    help="weight-only quantization of the routed experts (default none)")
+    p.add_argument(F["experts_gguf"], metavar="FILE",
+                   help="take the routed experts from this llama.cpp GGUF file (Q4_0, Q4_K, Q8_0, ...; its types "
+                        "decide their format, so not with --expert-quant), the rest of the model from --model")
     from tandem.cli import add_dense_quant_arg
 
     add_dense_quant_arg(p)
@@ -88,7 +91,8 @@ def options_from_args(args):
         experts=args.experts, kv_shm=args.kv_shm, device=args.device, dtype=args.dtype, threads=args.threads,
         block_size=args.block_size, gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib,
         num_device_blocks=args.num_device_blocks, cpu_decode=args.cpu_decode,
-        expert_quant=args.expert_quant, dense_quant=args.dense_quant, max_num_seqs=args.max_num_seqs,
+        expert_quant=args.expert_quant, experts_gguf=args.experts_gguf, dense_quant=args.dense_quant,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout,
         spin_us=args.spin_us, enforce_eager=args.enforce_eager,

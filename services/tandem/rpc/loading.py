@@ -60,7 +60,8 @@ def load_embedded(opts, metrics: ServingMetrics) -> LLMEngine:
     """`--role all`: the whole model in this process, routed experts on the in-process executor."""
     engine = LLMEngine.from_pretrained(
         opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts),
-        expert_threads=opts.threads, expert_quant=opts.expert_quant, dense_quant=opts.dense_quant)
+        expert_threads=opts.threads, expert_quant=opts.expert_quant, dense_quant=opts.dense_quant,
+        experts_gguf=opts.experts_gguf)
     _time_expert_calls(engine.model, metrics)
     engine.runner.cpu_attention = timed(engine.runner.cpu_attention, metrics.cpu_attention_latency)
     return engine
@@ -119,7 +120,8 @@ def load_experts(opts) -> tuple[object, experts_pb2.ExpertsInfo]:
     cfg = load_config(opts.model)
     if not cfg.is_moe:
         raise ModelError(f"{cfg.architecture} has no routed experts: serve it with --role all")
-    executor = build_expert_executor(opts.model, dtype=opts.dtype, threads=opts.threads, quant=opts.expert_quant)
+    executor = build_expert_executor(opts.model, dtype=opts.dtype, threads=opts.threads, quant=opts.expert_quant,
+                                     experts_gguf=opts.experts_gguf)
     dtype = str(resolve_dtype(cfg, opts.dtype)).removeprefix("torch.")
     info = experts_pb2.ExpertsInfo(
         model=str(opts.model), moe_layers=list(cfg.moe_layers), num_experts=cfg.num_experts,

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -57,6 +58,7 @@ class ServeOptions:
     num_device_blocks: int | None = None  # None: sized from the device's memory
     cpu_decode: bool = True
     expert_quant: str = "none"
+    experts_gguf: str | None = None  # routed experts from this llama.cpp GGUF file (roles all, experts)
     dense_quant: str = "none"  # the attention side's dense layers (tandem.model.quant_linear)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -80,6 +82,15 @@ class ServeOptions:
             raise ValueError(f"--experts is only for --role attention, not --role {self.role}")
         if self.expert_quant not in contract.EXPERT_QUANTS:
             raise ValueError(f"--expert-quant must be one of {', '.join(contract.EXPERT_QUANTS)}")
+        if self.experts_gguf is not None:
+            if self.role == "attention":
+                raise ValueError("--experts-gguf is for the process that holds the experts (--role all or experts), "
+                                 "not --role attention")
+            if self.expert_quant != "none":
+                raise ValueError("--experts-gguf and --expert-quant exclude each other: the GGUF file's types "
+                                 "decide the experts' format")
+            if not Path(self.experts_gguf).is_file():
+                raise ValueError(f"--experts-gguf: {self.experts_gguf} is not a file")
         if self.dense_quant not in contract.DENSE_QUANTS:
             raise ValueError(f"--dense-quant must be one of {', '.join(contract.DENSE_QUANTS)}")
         if self.num_device_blocks is not None and self.num_device_blocks < 1:

@@ -1,0 +1,179 @@
+"""Routed-expert weights from a llama.cpp GGUF file, into the expert executor's formats.
+
+People who run MoE models on CPUs often have them as GGUF files already quantized by llama.cpp
+(Q8_0, Q4_0, Q4_K_M). `tandem serve --experts-gguf FILE` takes the routed experts from such a
+file and everything else from the Hugging Face checkpoint (attention, norms, routers, the LM
+head: GGUF reorders attention rows for its rope, and those stay on the GPU at their own dtype).
+
+llama.cpp stores a layer's experts as three stacked tensors, `blk.{layer}.ffn_{gate,up,down}_exps.weight`,
+[E, I, H], [E, I, H] and [E, H, I] in row-major order: the executor's [N, K] rows, as they are.
+The file's types decide the layer's format, as close to the file's own numbers as the
+executor's kernels can hold:
+- Q4_0 and Q4_K become int4 with groups of 32 (`Int4Weight`, w = q * scale + min): the 4-bit
+  codes are the file's. Q4_0's block (an fp16 d, w = d (q - 8)) is int4's packing byte for byte,
+  scale d and min -8d, exactly. Q4_K's 256-weight super-block has 8 sub-blocks of 32 with 6-bit
+  scales and minimums under two fp16 factors, w = d sc_j q - dmin m_j: each sub-block's scale
+  d sc_j and minimum -dmin m_j are rounded to fp16 (a relative error of at most 2^-11 on
+  each; llama.cpp computes them in float32).
+- Q8_0 becomes int8 with a scale per row: each row is requantized to its largest |d_b q| / 127,
+  which adds at most half a step to Q8_0's own rounding.
+- Any other type, or a layer whose three tensors do not share one of those formats (Q4_K_M
+  keeps some layers' ffn_down_exps in Q6_K): every tensor of the layer is dequantized by the
+  gguf package's reference code and requantized to int8 per row, which keeps more precision
+  than a 6-bit type has rather than dropping it to 4 bits. The layer then reads more bytes.
+
+A tensor's float32 copy exists only while it is converted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tandem.experts.base import ExpertWeights
+from tandem.experts.quant import Int4Weight, Int8Weight, pack_int4, quantize_int8
+
+_log = logging.getLogger(__name__)
+
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_PROJS = ("gate", "up", "down")
+_Q8_0_BYTES = 34  # 32 weights: an fp16 scale and 32 int8 codes
+_Q4_0_BYTES = 18  # 32 weights: an fp16 d and 16 bytes of codes
+_Q4_K_BYTES, _Q4_K_WEIGHTS = 144, 256  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 of codes
+_INT4_GROUP = 32
+_FP16_MAX = 65504.0
+
+
+def load_gguf_experts(path: str | Path) -> dict[int, ExpertWeights]:
+    """layer -> ExpertWeights (gate_up [E, 2I, H], down [E, H, I]) as `Int4Weight`s or
+    `Int8Weight`s, one format a layer, for `make_expert_executor(..., quant=gguf_quant(layers))`.
+    ValueError names the file or tensor that cannot be read."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError... on a bad file
+        raise ValueError(f"{path} is not a GGUF file gguf can read: {exc}") from None
+    found: dict[int, dict[str, object]] = {}
+    for tensor in reader.tensors:
+        if m := _EXPERT_TENSOR.match(tensor.name):
+            found.setdefault(int(m[1]), {})[m[2]] = tensor
+    if not found:
+        raise ValueError(f"{path} has no routed-expert tensors (blk.N.ffn_gate_exps.weight ...)")
+    return {layer: _layer(layer, tensors) for layer, tensors in sorted(found.items())}
+
+
+def gguf_quant(layers: dict[int, ExpertWeights]) -> str:
+    """The executor quantization for layers from `load_gguf_experts`: "int4" when any layer is."""
+    return "int4" if any(isinstance(w.gate_up, Int4Weight) for w in layers.values()) else "int8"
+
+
+def _layer(layer: int, tensors: dict) -> ExpertWeights:
+    missing = [p for p in _PROJS if p not in tensors]
+    if missing:
+        raise ValueError(f"layer {layer}: no {', '.join(f'ffn_{p}_exps' for p in missing)} tensor")
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    types = {p: tensors[p].tensor_type for p in _PROJS}
+    data = {p: np.asarray(tensors[p].data) for p in _PROJS}
+    if all(t in (T.Q4_0, T.Q4_K) for t in types.values()):
+        w = {p: (q4_0_to_int4 if types[p] == T.Q4_0 else q4_k_to_int4)(data[p]) for p in _PROJS}
+    elif all(t == T.Q8_0 for t in types.values()):
+        w = {p: q8_0_to_int8(data[p]) for p in _PROJS}
+    else:
+        _log.info("layer %d: experts in %s; requantized to int8 per row", layer,
+                  ", ".join(f"ffn_{p}_exps {types[p].name}" for p in _PROJS))
+        w = {p: quantize_int8(_dequantized(tensors[p], data[p])) for p in _PROJS}
+    gate, up, down = w["gate"], w["up"], w["down"]
+    if gate.shape != up.shape or down.shape != (gate.shape[0], gate.shape[2], gate.shape[1]):
+        raise ValueError(f"layer {layer}: expert shapes gate {gate.shape}, up {up.shape}, down {down.shape} "
+                         "do not form [E, I, H], [E, I, H], [E, H, I]")
+    if isinstance(gate, Int4Weight):
+        gate_up = Int4Weight(packed=torch.cat([gate.packed, up.packed], dim=1),
+                             scale=torch.cat([gate.scale, up.scale], dim=1),
+                             min=torch.cat([gate.min, up.min], dim=1), group_size=_INT4_GROUP)
+    else:
+        gate_up = Int8Weight(q=torch.cat([gate.q, up.q], dim=1), scale=torch.cat([gate.scale, up.scale], dim=1))
+    return ExpertWeights(gate_up=gate_up, down=down)
+
+
+def _dequantized(tensor, data: np.ndarray) -> torch.Tensor:
+    import gguf
+
+    try:
+        w = gguf.quants.dequantize(data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"{tensor.name}: gguf cannot dequantize {tensor.tensor_type.name}") from None
+    if w.ndim != 3:
+        raise ValueError(f"{tensor.name}: expected stacked experts [E, N, K], got shape {w.shape}")
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+def _blocks(data: np.ndarray, block_bytes: int, name: str) -> torch.Tensor:
+    """Quantized bytes [E, N, K/B * block_bytes] -> a uint8 tensor [E, N, K/B, block_bytes] (a copy)."""
+    if data.dtype != np.uint8 or data.ndim != 3 or data.shape[2] % block_bytes:
+        raise ValueError(f"{name} data must be uint8 [E, N, blocks * {block_bytes}], got {data.dtype} {data.shape}")
+    e, n, nbytes = data.shape
+    return torch.from_numpy(np.array(data)).reshape(e, n, nbytes // block_bytes, block_bytes)
+
+
+def _fp16(raw: torch.Tensor) -> torch.Tensor:
+    """Two bytes per entry (last dim) as float32."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _half(x: torch.Tensor, name: str) -> torch.Tensor:
+    if not torch.isfinite(x).all() or x.abs().max() > _FP16_MAX:
+        raise ValueError(f"{name}: a block scale is not finite or does not fit fp16")
+    return x.half().contiguous()
+
+
+def q8_0_to_int8(blocks: np.ndarray) -> Int8Weight:
+    """Q8_0 bytes [E, N, K/32 * 34] -> Int8Weight (q [E, N, K] int8, scale [E, N] float32)."""
+    raw = _blocks(blocks, _Q8_0_BYTES, "Q8_0")
+    e, n = raw.shape[:2]
+    d = _fp16(raw[..., :2])  # [E, N, K/32]
+    codes = raw[..., 2:].contiguous().view(torch.int8).float()  # [E, N, K/32, 32]
+    w = (codes * d[..., None]).reshape(e, n, -1)  # [E, N, K]
+    scale = w.abs().amax(dim=-1) / 127.0  # [E, N]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(q=q.contiguous(), scale=scale.contiguous())
+
+
+def q4_0_to_int4(blocks: np.ndarray) -> Int4Weight:
+    """Q4_0 bytes [E, N, K/32 * 18] -> Int4Weight with groups of 32, the same numbers: a block's
+    16 code bytes are int4's packing (byte j: weight j low, weight j + 16 high)."""
+    raw = _blocks(blocks, _Q4_0_BYTES, "Q4_0")
+    e, n, nb = raw.shape[:3]
+    d = _fp16(raw[..., :2])  # [E, N, K/32]
+    return Int4Weight(packed=raw[..., 2:].reshape(e, n, nb * 16).contiguous(), scale=_half(d, "Q4_0"),
+                      min=_half(-8.0 * d, "Q4_0"), group_size=_INT4_GROUP)
+
+
+def q4_k_to_int4(blocks: np.ndarray) -> Int4Weight:
+    """Q4_K bytes [E, N, K/256 * 144] -> Int4Weight with groups of 32 (a Q4_K sub-block each): the
+    file's codes, each sub-block's scale d * sc and minimum -dmin * m rounded to fp16."""
+    raw = _blocks(blocks, _Q4_K_BYTES, "Q4_K")
+    e, n, nb = raw.shape[:3]
+    d, dmin = _fp16(raw[..., 0:2]), _fp16(raw[..., 2:4])  # [E, N, K/256]
+    s = raw[..., 4:16].long()  # [E, N, K/256, 12]: 8 six-bit scales and 8 six-bit minimums
+    # ggml's get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7
+    # (minimums); sub-blocks 4-7 in the nibbles of bytes 8-11, their top 2 bits in those bytes' top bits.
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], dim=-1)  # [.., 8]
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)  # [.., 8]
+    scale = (d[..., None] * sc.float()).reshape(e, n, nb * 8)  # [E, N, K/32]
+    minimum = (-dmin[..., None] * mn.float()).reshape(e, n, nb * 8)
+    # 128 code bytes in 4 runs of 32: run c's low nibbles are sub-block 2c, its high ones 2c + 1.
+    qs = raw[..., 16:].reshape(e, n, nb, 4, 1, 32)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(e, n, nb * _Q4_K_WEIGHTS)  # [E, N, K], natural order
+    return Int4Weight(packed=pack_int4(codes), scale=_half(scale, "Q4_K"), min=_half(minimum, "Q4_K"),
+                      group_size=_INT4_GROUP)
