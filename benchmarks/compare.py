@@ -7,7 +7,9 @@ Each system runs in its own process (so one's memory never slows another) on the
 Mixtral-architecture checkpoint (made by make_checkpoint.py when absent: ~1.8 GB f32), at equal
 precision: f32 against llama.cpp f32 and transformers f32; bf16 (the checkpoint loaded at bfloat16, what
 Mixtral, Qwen and DeepSeek ship) against llama.cpp BF16 and transformers bf16; int8 (experts and dense
-layers int8) against Q8_0; int4 (experts int4, dense layers int8) against Q4_0.
+layers int8) against Q8_0; int4 (experts int4, dense layers int8) against Q4_0; q4_k_m: llama.cpp's
+Q4_K_M file, its routed experts loaded by Tandem too (`--experts-gguf`: Q4_K as int4 with the
+file's codes, the Q6_K layers as int8; dense layers int8), so both read the same expert weights.
 llama.cpp is llama-cpp-python built from its PyPI sdist (CMAKE_ARGS="-DGGML_NATIVE=ON"); the
 GGUF files come from the sdist's own vendor/llama.cpp/convert_hf_to_gguf.py and
 `llama_model_quantize`. When llama_cpp is not installed, or the sdist cannot be found, the
@@ -34,10 +36,12 @@ HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem"
 SDIST_GLOB = "llama_cpp_python-*.tar.gz"
 GGUF_TYPES = {"f32": ("f32", None), "bf16": ("bf16", None), "int8": ("q8_0", None),
-              "int4": ("f32", 2)}  # 2 = LLAMA_FTYPE_MOSTLY_Q4_0
-LLAMA_NAMES = {"f32": "f32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
-# (experts, dense) quantization; the dtype the checkpoint loads at (None: its own, float32 here)
-QUANTS = {"f32": ("none", "none"), "bf16": ("none", "none"), "int8": ("int8", "int8"), "int4": ("int4", "int8")}
+              "int4": ("f32", 2), "q4_k_m": ("f32", 15)}  # LLAMA_FTYPE_MOSTLY_Q4_0, _Q4_K_M
+LLAMA_NAMES = {"f32": "f32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0", "q4_k_m": "Q4_K_M"}
+# (experts, dense) quantization ("gguf": the experts of the llama.cpp file); the dtype the
+# checkpoint loads at (None: its own, float32 here)
+QUANTS = {"f32": ("none", "none"), "bf16": ("none", "none"), "int8": ("int8", "int8"), "int4": ("int4", "int8"),
+          "q4_k_m": ("gguf", "int8")}
 DTYPES = {"bf16": "bfloat16"}
 HF_PRECISIONS = ("f32", "bf16")  # transformers runs unquantized only
 
@@ -115,9 +119,15 @@ def run_worker(name: str, *args) -> dict:
 def tandem_bench(ckpt: Path, precision: str, args) -> dict:
     quants = QUANTS[precision]
     cmd = [sys.executable, "-m", "tandem.cli", "bench", "--model", str(ckpt), "--prompt-len", str(args.prompt_len),
-           "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--expert-quant", quants[0],
-           "--dense-quant", quants[1],
+           "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--dense-quant", quants[1],
            "--threads", str(args.threads), "--device", "cpu", "--no-bandwidth", "--json"]
+    if quants[0] == "gguf":
+        try:
+            cmd += ["--experts-gguf", str(make_gguf(ckpt, precision))]
+        except (subprocess.CalledProcessError, RuntimeError, AttributeError) as e:  # no llama.cpp: no file
+            return {"error": f"no {LLAMA_NAMES[precision]} file: {e}"}
+    else:
+        cmd += ["--expert-quant", quants[0]]
     if precision in DTYPES:
         cmd += ["--dtype", DTYPES[precision]]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -189,8 +199,16 @@ def active_bytes(ckpt: Path, precision: str) -> float:
     cfg = json.loads((ckpt / "config.json").read_text())
     h, i, layers, k = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
     kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or h // cfg["num_attention_heads"])
-    per_weight = {"f32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / h, "int4": 0.5 + 4.0 / 32}[precision]
-    experts = layers * k * 3 * h * i * per_weight
+    int8, int4 = 1.0 + 4.0 / h, 0.5 + 4.0 / 32  # an f32 scale a row; an fp16 scale and min a group of 32
+    if precision == "q4_k_m":  # a layer whose ffn_down_exps is not Q4_K runs int8 (tandem.experts.gguf_experts)
+        import gguf
+
+        reader = gguf.GGUFReader(str(make_gguf(ckpt, precision)))
+        down = [t.tensor_type.name for t in reader.tensors if t.name.endswith("ffn_down_exps.weight")]
+        experts = sum(k * 3 * h * i * (int4 if t == "Q4_K" else int8) for t in down)
+    else:
+        per_weight = {"f32": 4.0, "bf16": 2.0, "int8": int8, "int4": int4}[precision]
+        experts = layers * k * 3 * h * i * per_weight
     dense_per_weight = {"f32": 4.0, "bf16": 2.0}.get(precision, 1.0 + 4.0 / h)  # int8: an f32 scale a row
     dense = dense_per_weight * (layers * (2 * h * h + 2 * h * kv) + cfg["vocab_size"] * h)
     routers = (2.0 if precision == "bf16" else 4.0) * layers * cfg["num_local_experts"] * h
