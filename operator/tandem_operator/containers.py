@@ -76,7 +76,7 @@ def build_experts_container(spec: HybridModelSpec) -> dict:
         FLAGS["metrics_port"], str(contract.EXPERTS_METRICS_PORT),
         FLAGS["device"], "cpu",
         FLAGS["threads"], str(threads),
-        FLAGS["expert_quant"], spec.experts.quantization,
+        *_expert_weights_args(spec),
         *_spin_args(spec),
     ]
     resources = {"cpu": str(spec.experts.cpus), "memory": spec.experts.memory}
@@ -122,6 +122,13 @@ def _serve_args(spec: HybridModelSpec, role: str) -> list[str]:
         FLAGS["block_size"], str(spec.kvCache.blockSize),
         FLAGS["cpu_kv_gib"], str(spec.kvCache.cpuTierGiB),
     ]
+
+
+def _expert_weights_args(spec: HybridModelSpec) -> list[str]:
+    # A GGUF file's tensor types decide the experts' format, so it replaces --expert-quant.
+    if spec.experts.gguf_file is not None:
+        return [FLAGS["experts_gguf"], spec.experts.gguf_file]
+    return [FLAGS["expert_quant"], spec.experts.quantization]
 
 
 def _spin_args(spec: HybridModelSpec) -> list[str]:

@@ -7,6 +7,7 @@ without schema validation). Defaults here must equal the CRD's: tests/operator c
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -22,6 +23,8 @@ class SpecError(ValueError):
 
 # Path segments never start with a dot: no `..` escapes from the volume, no hidden dirs.
 _MODEL_PATH = re.compile(r"^$|^[A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*(/[A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*)*$")
+# A file by the same rules, named *.gguf.
+_GGUF_PATH = re.compile(r"^([A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*/)*[A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*\.gguf$")
 # The CRD's quantity pattern, without negative or milli values that make no sense for memory.
 _QUANTITY = re.compile(
     r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[kMGTPE]|([eE](\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
@@ -52,12 +55,18 @@ class ExpertsSpec:
     memory: str = "128Gi"
     threads: int | None = None
     quantization: str = "none"
+    gguf: str | None = None  # a llama.cpp file the experts load from, relative to the volume's root
     spinMicroseconds: int = 0  # both containers poll the data plane this long before sleeping
 
     @property
     def compute_threads(self) -> int:
         """Threads for expert compute: one per whole CPU unless set."""
         return self.threads or self.cpus
+
+    @property
+    def gguf_file(self) -> str | None:
+        """The GGUF file inside the containers, or None to load the checkpoint's experts."""
+        return None if self.gguf is None else posixpath.join(MODEL_MOUNT, self.gguf)
 
 
 @dataclass(frozen=True)
@@ -168,13 +177,27 @@ def _attention(raw: Mapping) -> AttentionSpec:
 def _experts(raw: Mapping) -> ExpertsSpec:
     _known(raw, "spec.experts", ExpertsSpec)
     threads = raw.get("threads")
+    quantization = _choice(raw, "quantization", "spec.experts", "none", contract.EXPERT_QUANTS)
+    gguf = None if raw.get("gguf") is None else _gguf(raw["gguf"], quantization)
     return ExpertsSpec(
         cpus=_int(raw, "cpus", "spec.experts", 16, minimum=1),
         memory=_quantity(raw, "memory", "spec.experts", "128Gi"),
         threads=None if threads is None else _int(raw, "threads", "spec.experts", None, minimum=1),
-        quantization=_choice(raw, "quantization", "spec.experts", "none", contract.EXPERT_QUANTS),
+        quantization=quantization,
+        gguf=gguf,
         spinMicroseconds=_int(raw, "spinMicroseconds", "spec.experts", 0, minimum=0, maximum=1_000_000),
     )
+
+
+def _gguf(path: Any, quantization: str) -> str:
+    if not isinstance(path, str) or len(path) > 1024 or not _GGUF_PATH.fullmatch(path):
+        raise SpecError(f"spec.experts.gguf {path!r} must be a relative path of a .gguf file inside the model "
+                        "volume, without '.'-leading segments")
+    if quantization != "none":
+        # The file's tensor types decide the experts' format; a second quantization has nothing to act on.
+        raise SpecError(f"spec.experts.gguf cannot be combined with spec.experts.quantization {quantization}: "
+                        "the GGUF file's tensor types decide the experts' format; set quantization to none")
+    return path
 
 
 def _kv_cache(raw: Mapping) -> KVCacheSpec:

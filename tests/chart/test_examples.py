@@ -83,6 +83,11 @@ BAD_SPECS = {
     "scheduler steps above 64": ("spec.attention.numSchedulerSteps", 65),
     "bad memory quantity": ("spec.experts.memory", "lots"),
     "unknown quantization": ("spec.experts.quantization", "int3"),
+    "empty gguf": ("spec.experts.gguf", ""),
+    "absolute gguf": ("spec.experts.gguf", "/models/m.gguf"),
+    "gguf escapes the volume": ("spec.experts.gguf", "gguf/../../m.gguf"),
+    "gguf not a .gguf file": ("spec.experts.gguf", "mixtral/model.safetensors"),
+    "gguf too long": ("spec.experts.gguf", "m" * 1020 + ".gguf"),
     "zero gpu memory fraction": ("spec.kvCache.gpuMemoryFraction", 0),
     "gpu memory fraction above 1": ("spec.kvCache.gpuMemoryFraction", 1.5),
     "unknown metrics source": ("spec.autoscaling.metrics.source", "Datadog"),
@@ -96,6 +101,11 @@ BAD_SPECS = {
 def test_bad_spec_is_rejected(path, value):
     with pytest.raises(jsonschema.ValidationError):
         VALIDATOR.validate(mutate(path, value))
+
+
+@pytest.mark.parametrize("path", ["m.gguf", "TheBloke/Mixtral-8x7B-GGUF/mixtral-8x7b.Q4_K_M.gguf"])
+def test_experts_gguf_is_a_relative_gguf_path(path):
+    VALIDATOR.validate(mutate("spec.experts.gguf", path))
 
 
 def test_conversion_closes_records_and_keeps_open_fields_open():

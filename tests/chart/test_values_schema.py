@@ -89,6 +89,12 @@ def test_hybrid_model_spec_is_checked_against_the_crd(chart):
     bad = {**spec, "experts": {**spec["experts"], "quantization": "int3"}}
     with pytest.raises(helm_python.HelmValuesError, match="quantization"):
         chart.validate_schema({"hybridModel": {"enabled": True, "spec": bad}})
+    gguf = {**spec, "experts": {**spec["experts"], "quantization": "none", "gguf": "DeepSeek-R1-GGUF/r1.Q4_K.gguf"}}
+    chart.validate_schema({"hybridModel": {"enabled": True, "spec": gguf}})
+    for path in ("/srv/models/r1.gguf", "../r1.gguf", "r1.safetensors", ""):
+        bad = {**spec, "experts": {**spec["experts"], "gguf": path}}
+        with pytest.raises(helm_python.HelmValuesError, match="gguf"):
+            chart.validate_schema({"hybridModel": {"enabled": True, "spec": bad}})
 
 
 def value_keys(text: str):

@@ -169,6 +169,45 @@ def test_spin_microseconds_reaches_both_ends_of_the_data_plane():
         assert args[args.index(contract.SERVE_FLAGS["spin_us"]) + 1] == "20000", container["name"]
 
 
+GGUF = "DeepSeek-R1-GGUF/DeepSeek-R1-Q4_K_M.gguf"
+
+
+def test_experts_gguf_replaces_expert_quant_in_the_experts_container_only():
+    raw = copy.deepcopy(BASE)
+    raw["experts"] = {"gguf": GGUF}
+    attention, experts = containers(raw)["attention"], containers(raw)["experts"]
+    gguf, quant = contract.SERVE_FLAGS["experts_gguf"], contract.SERVE_FLAGS["expert_quant"]
+    # Relative to the volume's root, like model.path, not to the checkpoint directory (model.path "mixtral").
+    assert experts["args"][experts["args"].index(gguf) + 1] == f"/models/{GGUF}"
+    assert quant not in experts["args"]
+    # Nothing else changes: `--expert-quant none` becomes `--experts-gguf FILE` in place.
+    before = containers(BASE)["experts"]["args"]
+    at = before.index(quant)
+    assert experts["args"] == before[:at] + [gguf, f"/models/{GGUF}"] + before[at + 2:]
+    # The attention container loads no routed experts: it is left exactly as it was.
+    assert gguf not in attention["args"] and attention["args"] == containers(BASE)["attention"]["args"]
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_without_gguf_the_experts_container_keeps_expert_quant(name):
+    args = containers(SPECS[name])["experts"]["args"]
+    assert contract.SERVE_FLAGS["experts_gguf"] not in args
+    assert args[args.index(contract.SERVE_FLAGS["expert_quant"]) + 1] == parse_spec(SPECS[name]).experts.quantization
+
+
+def test_gguf_command_line_is_what_tandem_serve_accepts():
+    from tandem.cli import build_parser
+    from tandem.rpc.cli_serve import options_from_args
+
+    raw = {**SPECS["hostpath-int8"], "experts": {"cpus": 48, "memory": "384Gi", "gguf": GGUF}}
+    experts = containers(raw)["experts"]
+    args, unknown = build_parser().parse_known_args(experts["command"][1:] + experts["args"])
+    if contract.SERVE_FLAGS["experts_gguf"] in unknown:
+        pytest.skip("this checkout's `tandem serve` has no --experts-gguf yet")
+    assert unknown == [] and args.experts_gguf == f"/models/{GGUF}" and args.expert_quant == "none"
+    options_from_args(args)  # the two flags' exclusion, if it checks it, holds
+
+
 @pytest.mark.parametrize("steps", [1, 8])
 def test_scheduler_steps_reach_the_attention_container_only_when_not_1(steps):
     raw = copy.deepcopy(BASE)

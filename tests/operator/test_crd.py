@@ -23,6 +23,8 @@ GOOD = {
     "tuned": {"kvCache": {"blockSize": 64, "gpuMemoryFraction": 1, "cpuTierGiB": 0},
               "experts": {"cpus": 1, "memory": "1.5Gi", "threads": 2, "quantization": "int4", "spinMicroseconds": 20000}},
     "multi-step": {"attention": {"numSchedulerSteps": 64}},
+    "gguf": {"experts": {"gguf": "DeepSeek-R1-GGUF/Q4_K_M/DeepSeek-R1-Q4_K_M-00001-of-00009.gguf"}},
+    "gguf-at-the-root": {"experts": {"gguf": "m.gguf", "quantization": "none"}},
 }
 # Each breaks one rule the schema itself can express (CEL rules are checked in parse_spec).
 BAD = {
@@ -45,12 +47,27 @@ BAD = {
     "string-scheduler-steps": ({"attention": {"numSchedulerSteps": "8"}}, "numSchedulerSteps"),
     "bad-source": ({"autoscaling": {"metrics": {"source": "Datadog"}}}, "source"),
     "bad-url": ({"autoscaling": {"metrics": {"prometheus": {"url": "prom:9090"}}}}, "url"),
+    "empty-gguf": ({"experts": {"gguf": ""}}, "spec.experts.gguf"),
+    "absolute-gguf": ({"experts": {"gguf": "/models/m.gguf"}}, "spec.experts.gguf"),
+    "escaping-gguf": ({"experts": {"gguf": "../m.gguf"}}, "spec.experts.gguf"),
+    "inner-escaping-gguf": ({"experts": {"gguf": "a/../../etc/m.gguf"}}, "spec.experts.gguf"),
+    "hidden-gguf": ({"experts": {"gguf": "a/.m.gguf"}}, "spec.experts.gguf"),
+    "empty-segment-gguf": ({"experts": {"gguf": "a//m.gguf"}}, "spec.experts.gguf"),
+    "not-a-gguf": ({"experts": {"gguf": "model.safetensors"}}, "spec.experts.gguf"),
+    "gguf-directory": ({"experts": {"gguf": "m.gguf/"}}, "spec.experts.gguf"),
+    "bare-suffix-gguf": ({"experts": {"gguf": ".gguf"}}, "spec.experts.gguf"),
+    "too-long-gguf": ({"experts": {"gguf": "a" * 1020 + ".gguf"}}, "spec.experts.gguf"),
+    "number-gguf": ({"experts": {"gguf": 8}}, "spec.experts.gguf"),
 }
 # Cross-field rules: CEL in the CRD (x-kubernetes-validations), enforced again by parse_spec.
 BAD_CEL = {
-    "enabled-without-target": {"autoscaling": {"enabled": True, "maxReplicas": 3}},
-    "min-above-max": {"autoscaling": {"minReplicas": 5, "maxReplicas": 3}},
-    "prometheus-without-url": {"autoscaling": {"metrics": {"source": "Prometheus"}}},
+    "enabled-without-target": ({"autoscaling": {"enabled": True, "maxReplicas": 3}}, "autoscaling"),
+    "min-above-max": ({"autoscaling": {"minReplicas": 5, "maxReplicas": 3}}, "autoscaling"),
+    "prometheus-without-url": ({"autoscaling": {"metrics": {"source": "Prometheus"}}}, "metrics"),
+    "gguf-with-int8": ({"experts": {"gguf": "m.gguf", "quantization": "int8"}},
+                       "spec.experts.gguf cannot be combined with spec.experts.quantization int8"),
+    "gguf-with-int4": ({"experts": {"gguf": "m.gguf", "quantization": "int4"}},
+                       "spec.experts.gguf cannot be combined with spec.experts.quantization int4"),
 }
 
 
@@ -84,9 +101,21 @@ def test_bad_specs_fail_schema_and_parser(name):
 @pytest.mark.parametrize("name", BAD_CEL)
 def test_cross_field_rules_are_declared_and_enforced(name):
     rules = [r["rule"] for r in _walk_validations(crd_schema())]
-    assert len(rules) == 3
-    with pytest.raises(SpecError, match="autoscaling|metrics"):
-        parse_spec(body(BAD_CEL[name])["spec"])
+    assert len(rules) == 4
+    overrides, message = BAD_CEL[name]
+    with pytest.raises(SpecError, match=message):
+        parse_spec(body(overrides)["spec"])
+
+
+def test_gguf_excludes_quantization_on_the_experts_object():
+    # The JSON Schema check cannot see CEL: the rule must sit on `experts`, where both fields are.
+    experts = crd_schema()["properties"]["spec"]["properties"]["experts"]
+    (rule,) = experts["x-kubernetes-validations"]
+    assert rule["rule"] == "!has(self.gguf) || !has(self.quantization) || self.quantization == 'none'"
+    assert "experts.gguf" in rule["message"] and "quantization" in rule["message"]
+    # What the rule lets through, parse_spec lets through too.
+    assert parse_spec(body({"experts": {"gguf": "m.gguf", "quantization": "none"}})["spec"]).experts.gguf == "m.gguf"
+    assert parse_spec(body({"experts": {"quantization": "int4"}})["spec"]).experts.gguf is None
 
 
 def test_names_scale_and_printer_columns():
