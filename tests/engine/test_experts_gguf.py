@@ -15,7 +15,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.experts.base import ExpertWeights
 from tandem.experts.factory import make_expert_executor
-from tandem.experts.gguf_experts import gguf_quant, load_gguf_experts, q4_0_to_int4, q4_k_to_int4, q8_0_to_int8
+from tandem.experts.gguf_experts import gguf_quant, load_gguf_experts, q4_0_to_int4, q4_k_to_int4
 from tandem.experts.quant import Int4Weight, Int8Weight, dequantize_int4, dequantize_int8
 from tandem.experts.torch_executor import TorchExpertExecutor
 from tandem.model.config import ModelError
@@ -91,13 +91,13 @@ def test_q4_k_blocks_are_int4_groups_up_to_fp16_scales():
     assert 0 < rel_err(got, want) < 1e-3
 
 
-def test_requantized_rows_stay_within_half_a_step_of_q8_0():
-    w = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(2)).numpy()
-    blocks = gguf.quants.quantize(w, T.Q8_0)
-    q8 = reference(blocks, T.Q8_0)  # [2, 8, 64]
-    int8 = q8_0_to_int8(blocks)
-    assert ((dequantize_int8(int8) - q8).abs() <= int8.scale[..., None] / 2 + 1e-6).all()
-    assert int8.q.abs().amax(dim=-1).eq(127).all()  # each row's largest weight uses the full range
+def test_requantized_rows_stay_within_half_a_step_of_q8_0(mixed_file):
+    path, want = mixed_file
+    layer = load_gguf_experts(path)[2]  # every tensor Q8_0
+    gate, up, down = want[2]
+    for int8, q8 in ((layer.gate_up, torch.cat([gate, up], dim=1)), (layer.down, down)):
+        assert ((dequantize_int8(int8) - q8).abs() <= int8.scale[..., None] / 2 + 1e-6).all()
+        assert int8.q.abs().amax(dim=-1).eq(127).all()  # each row's largest weight uses the full range
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,11 @@ executor's kernels can hold:
   scales and minimums under two fp16 factors, w = d sc_j q - dmin m_j: each sub-block's scale
   d sc_j and minimum -dmin m_j are rounded to fp16 (a relative error of at most 2^-11 on
   each; llama.cpp computes them in float32).
-- Q8_0 becomes int8 with a scale per row: each row is requantized to its largest |d_b q| / 127,
-  which adds at most half a step to Q8_0's own rounding.
-- Any other type, or a layer whose three tensors do not share one of those formats (Q4_K_M
-  keeps some layers' ffn_down_exps in Q6_K): every tensor of the layer is dequantized by the
-  gguf package's reference code and requantized to int8 per row, which keeps more precision
-  than a 6-bit type has rather than dropping it to 4 bits. The layer then reads more bytes.
+- Any other layer becomes int8 with a scale per row: every tensor of the layer is dequantized by
+  the gguf package's reference code and requantized to its row's largest |w| / 127 (`quantize_int8`).
+  For Q8_0 that adds at most half a step to the file's own rounding; a layer in another type, or
+  whose three tensors do not share Q4_0/Q4_K (Q4_K_M keeps some layers' ffn_down_exps in Q6_K),
+  keeps more precision than a 6-bit type has rather than dropping to 4 bits, and reads more bytes.
 
 A tensor's float32 copy exists only while it is converted.
 """
@@ -41,7 +40,6 @@ _log = logging.getLogger(__name__)
 
 _EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _PROJS = ("gate", "up", "down")
-_Q8_0_BYTES = 34  # 32 weights: an fp16 scale and 32 int8 codes
 _Q4_0_BYTES = 18  # 32 weights: an fp16 d and 16 bytes of codes
 _Q4_K_BYTES, _Q4_K_WEIGHTS = 144, 256  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 of codes
 _INT4_GROUP = 32
@@ -86,8 +84,6 @@ def _layer(layer: int, tensors: dict) -> ExpertWeights:
     data = {p: np.asarray(tensors[p].data) for p in _PROJS}
     if all(t in (T.Q4_0, T.Q4_K) for t in types.values()):
         w = {p: (q4_0_to_int4 if types[p] == T.Q4_0 else q4_k_to_int4)(data[p]) for p in _PROJS}
-    elif all(t == T.Q8_0 for t in types.values()):
-        w = {p: q8_0_to_int8(data[p]) for p in _PROJS}
     else:
         _log.info("layer %d: experts in %s; requantized to int8 per row", layer,
                   ", ".join(f"ffn_{p}_exps {types[p].name}" for p in _PROJS))
@@ -134,19 +130,6 @@ def _half(x: torch.Tensor, name: str) -> torch.Tensor:
     if not torch.isfinite(x).all() or x.abs().max() > _FP16_MAX:
         raise ValueError(f"{name}: a block scale is not finite or does not fit fp16")
     return x.half().contiguous()
-
-
-def q8_0_to_int8(blocks: np.ndarray) -> Int8Weight:
-    """Q8_0 bytes [E, N, K/32 * 34] -> Int8Weight (q [E, N, K] int8, scale [E, N] float32)."""
-    raw = _blocks(blocks, _Q8_0_BYTES, "Q8_0")
-    e, n = raw.shape[:2]
-    d = _fp16(raw[..., :2])  # [E, N, K/32]
-    codes = raw[..., 2:].contiguous().view(torch.int8).float()  # [E, N, K/32, 32]
-    w = (codes * d[..., None]).reshape(e, n, -1)  # [E, N, K]
-    scale = w.abs().amax(dim=-1) / 127.0  # [E, N]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(q=q.contiguous(), scale=scale.contiguous())
 
 
 def q4_0_to_int4(blocks: np.ndarray) -> Int4Weight:
