@@ -116,16 +116,14 @@ def run_worker(name: str, *args) -> dict:
 # systems
 
 
-def tandem_bench(ckpt: Path, precision: str, args) -> dict:
+def tandem_bench(ckpt: Path, precision: str, args, experts_gguf: Path | None = None) -> dict:
+    """`tandem bench` at `precision`; a "gguf" precision takes its experts from `experts_gguf`."""
     quants = QUANTS[precision]
     cmd = [sys.executable, "-m", "tandem.cli", "bench", "--model", str(ckpt), "--prompt-len", str(args.prompt_len),
            "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--dense-quant", quants[1],
            "--threads", str(args.threads), "--device", "cpu", "--no-bandwidth", "--json"]
     if quants[0] == "gguf":
-        try:
-            cmd += ["--experts-gguf", str(make_gguf(ckpt, precision))]
-        except (subprocess.CalledProcessError, RuntimeError, AttributeError) as e:  # no llama.cpp: no file
-            return {"error": f"no {LLAMA_NAMES[precision]} file: {e}"}
+        cmd += ["--experts-gguf", str(experts_gguf)]
     else:
         cmd += ["--expert-quant", quants[0]]
     if precision in DTYPES:
@@ -192,7 +190,7 @@ def worker_quantize(src: str, dst: str, ftype: int) -> dict:
     return {"path": dst}
 
 
-def active_bytes(ckpt: Path, precision: str) -> float:
+def active_bytes(ckpt: Path, precision: str, experts_gguf: Path | None = None) -> float:
     """Bytes of weights one decode token reads in Tandem's layout: experts at `precision`, the
     attention and LM head at f32 (f32), bf16 (bf16) or int8 (int8, int4), the routers at f32 (bf16 in
     a bf16 model)."""
@@ -203,7 +201,7 @@ def active_bytes(ckpt: Path, precision: str) -> float:
     if precision == "q4_k_m":  # a layer whose ffn_down_exps is not Q4_K runs int8 (tandem.experts.gguf_experts)
         import gguf
 
-        reader = gguf.GGUFReader(str(make_gguf(ckpt, precision)))
+        reader = gguf.GGUFReader(str(experts_gguf))
         down = [t.tensor_type.name for t in reader.tensors if t.name.endswith("ffn_down_exps.weight")]
         experts = sum(k * 3 * h * i * (int4 if t == "Q4_K" else int8) for t in down)
     else:
@@ -254,21 +252,28 @@ def main() -> None:
         print(f"llama.cpp: {llama_skip}")
 
     for precision in args.precisions.split(","):
-        roofline = bandwidth * 1e9 / active_bytes(args.checkpoint, precision)
-        row = {"precision": precision, "roofline_tok_s": roofline,
-               "gemv_roofline_tok_s": roofline * gemv_bandwidth / bandwidth}
-        if "tandem" not in skip:
-            row["tandem"] = tandem_bench(args.checkpoint, precision, args)
-        if precision in HF_PRECISIONS and "hf" not in skip:
-            row["transformers"] = run_worker("hf", args.checkpoint, DTYPES.get(precision, "float32"),
-                                             args.prompt_len, args.gen_len, args.threads)
+        gguf, gguf_error = None, llama_skip  # llama.cpp's file at this precision
         if not llama_skip:
             try:
                 gguf = make_gguf(args.checkpoint, precision)
-                row["llama_cpp"] = run_worker("llama", gguf, args.prompt_len, args.gen_len, args.threads)
-                row["llama_cpp"]["format"] = LLAMA_NAMES[precision]
             except (subprocess.CalledProcessError, RuntimeError) as e:
-                row["llama_cpp"] = {"error": str(e)}
+                gguf_error = str(e)
+        if QUANTS[precision][0] == "gguf" and gguf is None:  # Tandem reads its experts from that file
+            print(f"[{precision}] skipped: no {LLAMA_NAMES[precision]} file ({gguf_error})", flush=True)
+            continue
+        roofline = bandwidth * 1e9 / active_bytes(args.checkpoint, precision, gguf)
+        row = {"precision": precision, "roofline_tok_s": roofline,
+               "gemv_roofline_tok_s": roofline * gemv_bandwidth / bandwidth}
+        if "tandem" not in skip:
+            row["tandem"] = tandem_bench(args.checkpoint, precision, args, gguf)
+        if precision in HF_PRECISIONS and "hf" not in skip:
+            row["transformers"] = run_worker("hf", args.checkpoint, DTYPES.get(precision, "float32"),
+                                             args.prompt_len, args.gen_len, args.threads)
+        if gguf is not None:
+            row["llama_cpp"] = run_worker("llama", gguf, args.prompt_len, args.gen_len, args.threads)
+            row["llama_cpp"]["format"] = LLAMA_NAMES[precision]
+        elif not llama_skip:
+            row["llama_cpp"] = {"error": gguf_error}
         report["rows"].append(row)
         print(format_row(row), flush=True)
     report["load_average_after"] = os.getloadavg()
