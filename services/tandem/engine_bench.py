@@ -85,19 +85,19 @@ def expert_bytes(engine) -> dict[int, int]:
 
 
 def run_requests(engine, prompts: list[list[int]], gen_len: int) -> dict:
-    """Run prompts concurrently; per request: time to first token and inter-token gaps. An output
-    of several tokens (a multi-step decode's run, --num-scheduler-steps) counts its gap once per
-    token, spread evenly over them: the gaps add up to the decode time, one gap a token."""
+    """Run prompts concurrently; per request: time to first token and inter-token gaps. The engine
+    streams a multi-step decode's tokens as each step ends (LLMEngine.step's emit), as it does for
+    the server; an output of several tokens would count its gap once per token, spread evenly over
+    them: the gaps add up to the decode time, one gap a token."""
     from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     last: dict[str, float] = {}
     ttft, itl, generated = [], [], 0
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{start}-{i}", prompt, params)
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
+
+    def record(outputs) -> None:
+        nonlocal generated
         now = time.perf_counter()
         for out in outputs:
             if not out.new_token_ids:
@@ -108,6 +108,11 @@ def run_requests(engine, prompts: list[list[int]], gen_len: int) -> dict:
             else:
                 itl.extend([(now - last[out.request_id]) / len(out.new_token_ids)] * len(out.new_token_ids))
             last[out.request_id] = now
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{start}-{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        record(engine.step(emit=record))
     return {"wall_s": time.perf_counter() - start, "ttft": ttft, "itl": itl, "generated": generated}
 
 

@@ -205,16 +205,20 @@ def test_a_failed_forward_pass_finishes_its_requests_with_error_and_frees_blocks
 # token, whatever stops a sequence inside a run; KV blocks come back; an outage loses nothing.
 
 
-def run(e: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
-    """Step to the end; (tokens, text, finish reason) per request, and the tokens each step returned."""
+def run(e: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], stream: bool = False):
+    """Step to the end; (tokens, text, finish reason) per request, and the tokens each step returned.
+    stream: the steps stream (LLMEngine.step's emit), and a step's outputs are those emitted during it
+    and then returned, one dict of token counts per output batch."""
     for rid, (prompt, params) in requests.items():
         e.add_request(rid, prompt, params)
     got = {rid: ([], [], None) for rid in requests}
     per_step = []
     while e.has_unfinished_requests():
-        outputs = e.step()
-        per_step.append({o.request_id: len(o.new_token_ids) for o in outputs})
-        for o in outputs:
+        batches = []
+        batches.append(e.step(emit=batches.append) if stream else e.step())
+        batches = [b for b in batches if b] if stream else batches
+        per_step.append([{o.request_id: len(o.new_token_ids) for o in b} for b in batches])
+        for o in (o for b in batches for o in b):
             tokens, texts, _ = got[o.request_id]
             tokens.extend(o.new_token_ids)
             texts.append(o.text)
@@ -230,20 +234,26 @@ MIXED = [
 ]
 
 
-def test_multi_step_decode_gives_the_single_step_tokens(model_dir):
+@pytest.mark.parametrize("stream", [False, True], ids=["returned", "streamed"])
+def test_multi_step_decode_gives_the_single_step_tokens(model_dir, stream):
     requests = {f"r{i}": (p, params) for i, (p, params) in enumerate(zip(prompts(4), MIXED))}
     want, single_steps = run(engine(model_dir), requests)
     e = engine(model_dir, num_scheduler_steps=4)
-    got, steps = run(e, requests)
+    got, steps = run(e, requests, stream)
     assert got == want
-    # the decodes came four tokens a step (fewer where max_tokens cut the run), in fewer steps
-    assert max(n for step in steps for n in step.values()) == 4
+    # The decodes came four tokens a step (fewer where max_tokens cut the run), in fewer steps:
+    # returned at the end of the step in one output per request, or streamed a token at a time,
+    # one batch of outputs as each of the run's steps ended.
+    sizes = [n for step in steps for batch in step for n in batch.values()]
+    assert max(sizes) == (1 if stream else 4)
+    assert max(len(step) for step in steps) == (4 if stream else 1)
     assert len(steps) < len(single_steps) / 2
     stats = e.stats()
     assert stats.kv_blocks_used[DEVICE] == 0 and stats.num_running == 0
 
 
-def test_a_stop_token_inside_a_run_drops_the_tokens_after_it(model_dir):
+@pytest.mark.parametrize("stream", [False, True], ids=["returned", "streamed"])
+def test_a_stop_token_inside_a_run_drops_the_tokens_after_it(model_dir, stream):
     e = engine(model_dir)
     free, _ = run(e, {"a": (prompts(1)[0], GREEDY)})
     tokens = free["a"][0]
@@ -251,22 +261,76 @@ def test_a_stop_token_inside_a_run_drops_the_tokens_after_it(model_dir):
     cut = tokens.index(stop_id) + 1
     params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_id,))
     e = engine(model_dir, num_scheduler_steps=4)
-    got, _ = run(e, {"a": (prompts(1)[0], params)})
+    got, _ = run(e, {"a": (prompts(1)[0], params)}, stream)
     assert got["a"][0] == tokens[:cut] and got["a"][2] == "stop"
     assert e.stats().kv_blocks_used[DEVICE] == 0
+    # Returned, the run goes to its end; streamed, it ends with the step that stops its last sequence.
+    run_steps = e.model.native_path.greedy_steps  # the prefill sampled the first token
+    assert run_steps == (cut - 1 if stream else -(-(cut - 1) // 4) * 4), run_steps
 
 
-def test_a_stop_string_inside_a_run_drops_the_tokens_after_it(model_dir):
+@pytest.mark.parametrize("stream", [False, True], ids=["returned", "streamed"])
+def test_a_stop_string_inside_a_run_drops_the_tokens_after_it(model_dir, stream):
     requests = {"a": (prompts(1)[0], GREEDY)}
     free, _ = run(engine(model_dir), requests)
     text = free["a"][1]
     stop = text[5:8]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,))
     want, _ = run(engine(model_dir), {"a": (prompts(1)[0], params)})
-    got, _ = run(engine(model_dir, num_scheduler_steps=4), {"a": (prompts(1)[0], params)})
+    got, _ = run(engine(model_dir, num_scheduler_steps=4), {"a": (prompts(1)[0], params)}, stream)
     assert got == want
     assert got["a"][2] == "stop" and got["a"][1] == text[: text.index(stop)]
     assert len(got["a"][0]) < len(free["a"][0])
+
+
+def test_a_streamed_run_ends_when_the_caller_has_work(model_dir):
+    # interrupted() true ends the run after the step that asked: a request can then be admitted
+    # at once, and the tokens are those of a run never interrupted.
+    reference, _ = run(engine(model_dir), {"a": (prompts(1)[0], GREEDY), "b": (prompts(2)[1], GREEDY)})
+    e = engine(model_dir, num_scheduler_steps=8)
+    e.add_request("a", prompts(1)[0], GREEDY)
+    tokens, emitted, asked = {"a": [], "b": []}, [], []
+    for o in e.step():  # the prefill
+        tokens["a"] += o.new_token_ids
+    assert e.step(emit=emitted.append, interrupted=lambda: asked.append(1) or len(asked) == 3) == []
+    assert [[len(o.new_token_ids) for o in b] for b in emitted] == [[1], [1], [1]]
+    e.add_request("b", prompts(2)[1], GREEDY)
+    for o in (o for b in emitted for o in b):
+        tokens["a"] += o.new_token_ids
+    outputs = e.step(emit=emitted.append)  # b's prefill beside a's decode: one step, returned
+    assert {o.request_id: len(o.new_token_ids) for o in outputs} == {"a": 1, "b": 1}
+    for o in outputs:
+        tokens[o.request_id] += o.new_token_ids
+    while e.has_unfinished_requests():
+        emitted = []
+        returned = e.step(emit=emitted.append)
+        for o in [*(o for b in emitted for o in b), *returned]:
+            tokens[o.request_id] += o.new_token_ids
+    assert tokens == {rid: reference[rid][0] for rid in "ab"}
+    assert e.stats().kv_blocks_used[DEVICE] == 0
+
+
+def test_a_streamed_run_that_fails_fails_only_the_unfinished(model_dir):
+    # b stops at the run's first step; the second step's emit raises (as a bug in the caller
+    # would): the error comes out of the native call, a ends with "error", b keeps its "stop".
+    free, _ = run(engine(model_dir), {"b": (prompts(2)[1], GREEDY)})
+    stop_b = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(free["b"][0][1],))
+    e = engine(model_dir, num_scheduler_steps=4)
+    e.add_request("a", prompts(1)[0], GREEDY)
+    e.add_request("b", prompts(2)[1], stop_b)
+    e.step()  # both prefills
+    emitted = []
+
+    def emit(outputs):
+        emitted.append(outputs)
+        if len(emitted) == 2:
+            raise RuntimeError("the caller's bug")
+
+    failed = e.step(emit=emit)
+    assert [(o.request_id, o.finished, o.finish_reason) for o in emitted[0]] == [
+        ("a", False, None), ("b", True, "stop")]
+    assert [(o.request_id, o.finish_reason) for o in failed] == [("a", "error")]
+    assert not e.has_unfinished_requests() and e.stats().kv_blocks_used[DEVICE] == 0
 
 
 def test_new_requests_are_prefilled_without_waiting_for_a_run(model_dir):
@@ -291,7 +355,7 @@ def test_new_requests_are_prefilled_without_waiting_for_a_run(model_dir):
     assert e.stats().kv_blocks_used[DEVICE] == 0
 
 
-def step_through_outages(e: LLMEngine, requests: dict[str, list[int]]):
+def step_through_outages(e: LLMEngine, requests: dict[str, list[int]], stream: bool = False):
     """Greedy requests stepped to the end, retrying the steps that raise ExpertsUnavailable: the
     tokens per request, the token counts of each step that returned, and when steps raised (how
     many had returned before)."""
@@ -299,18 +363,22 @@ def step_through_outages(e: LLMEngine, requests: dict[str, list[int]]):
         e.add_request(rid, prompt, GREEDY)
     tokens, sizes, raised = {rid: [] for rid in requests}, [], []
     while e.has_unfinished_requests():
+        emitted = []
         try:
-            outputs = e.step()
+            outputs = e.step(emit=emitted.extend if stream else None)
         except ExpertsUnavailable:
+            assert not emitted  # a step that raises emitted nothing
             raised.append(len(sizes))
             continue
+        outputs = emitted + outputs
         sizes.append([len(o.new_token_ids) for o in outputs])
         for out in outputs:
             tokens[out.request_id].extend(out.new_token_ids)
     return tokens, sizes, raised
 
 
-def test_experts_unavailable_inside_a_greedy_run_keeps_the_steps_it_finished(model_dir):
+@pytest.mark.parametrize("stream", [False, True], ids=["returned", "streamed"])
+def test_experts_unavailable_inside_a_greedy_run_keeps_the_steps_it_finished(model_dir, stream):
     # A native greedy run writes a column of tokens as each of its steps ends. The experts process
     # lost at a run's second step keeps the first step's token; lost at the first step, the engine
     # step raises and stays pending; the tokens end up those of a run without outages.
@@ -318,23 +386,25 @@ def test_experts_unavailable_inside_a_greedy_run_keeps_the_steps_it_finished(mod
     e = engine(model_dir, num_scheduler_steps=4)
     real, runs = e.model.greedy_steps, []
 
-    def outages(ids, steps, cache, tokens):
+    def outages(ids, steps, cache, tokens, on_step=None):
         runs.append(steps.positions.shape[0])
         if len(runs) == 1:  # the first run: down after its first step
-            assert real(ids, steps._replace(positions=steps.positions[:1], slots=steps.slots[:1]), cache, tokens[:, :1])
+            first = steps._replace(positions=steps.positions[:1], slots=steps.slots[:1])
+            assert real(ids, first, cache, tokens[:, :1], on_step)
         if len(runs) <= 2:  # the second: down from the start
             raise ExpertsUnavailable("experts process is down")
-        return real(ids, steps, cache, tokens)
+        return real(ids, steps, cache, tokens, on_step)
 
     e.model.greedy_steps = outages
-    tokens, sizes, raised = step_through_outages(e, {"a": prompts(1)[0]})
-    assert sizes[:3] == [[1], [1], [4]] and raised == [2] and runs[:3] == [4, 4, 4]
+    tokens, sizes, raised = step_through_outages(e, {"a": prompts(1)[0]}, stream)
+    assert sizes[:3] == [[1], [1], [1] * 4 if stream else [4]] and raised == [2] and runs[:3] == [4, 4, 4]
     assert tokens == {"a": reference["a"][0]}
     assert e.model.native_path.greedy_steps == GREEDY.max_tokens - 1
     assert e.stats().kv_blocks_used[DEVICE] == 0
 
 
-def test_experts_unavailable_inside_a_run_keeps_the_tokens_so_far(model_dir):
+@pytest.mark.parametrize("stream", [False, True], ids=["returned", "streamed"])
+def test_experts_unavailable_inside_a_run_keeps_the_tokens_so_far(model_dir, stream):
     reference, _ = run(engine(model_dir), {"a": (prompts(1)[0], GREEDY), "b": (prompts(2)[1], GREEDY)})
     e = engine(model_dir, num_scheduler_steps=4)
     executor = e.model.model.layers[0].mlp.executor
@@ -351,7 +421,7 @@ def test_experts_unavailable_inside_a_run_keeps_the_tokens_so_far(model_dir):
         return real(*args)
 
     executor.forward = flaky
-    tokens, sizes, raised = step_through_outages(e, {"a": prompts(1)[0], "b": prompts(2)[1]})
-    assert sizes[:3] == [[1, 1], [1, 1], [4, 4]] and raised == [2]
+    tokens, sizes, raised = step_through_outages(e, {"a": prompts(1)[0], "b": prompts(2)[1]}, stream)
+    assert sizes[:3] == [[1, 1], [1, 1], [1] * 8 if stream else [4, 4]] and raised == [2]
     assert tokens == {rid: reference[rid][0] for rid in "ab"}
     assert e.stats().kv_blocks_used[DEVICE] == 0

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from tandem.engine import cuda_graph
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampling_params import InvalidRequest, RequestOutput, SamplingParams
-from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.engine.sequence import Sequence
 from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
 from tandem.experts.cpu_executor import CpuExpertExecutor
@@ -209,23 +210,37 @@ class LLMEngine:
 
     # the step
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, emit: Callable[[list[RequestOutput]], None] | None = None,
+             interrupted: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        """Schedule, run and postprocess one step; returns its outputs.
+
+        With `emit`, a multi-step decode (num_scheduler_steps > 1) streams: each token step's
+        outputs go to emit as that step ends, inside the run, and are not returned again; the run
+        ends early once every sequence in it has finished, or when `interrupted()` says the caller
+        has work for the engine (a request to admit, an abort), so nothing waits for a whole run."""
         if self._pending is None:
             out = self.scheduler.schedule()
             self.runner.swap(out.swap_out, out.swap_in)
             self._pending = out
         out = self._pending
         generators = {s.seq.request_id: self.requests[s.seq.request_id].generator for s in out.scheduled}
+        streamed = None
+        if emit is not None and out.scheduled and out.scheduled[0].num_steps > 1:
+            streamed = _StreamedRun(self, out, emit, interrupted)
         try:
-            sampled = self.runner.execute(out.scheduled, generators)
+            sampled = self.runner.execute(out.scheduled, generators, streamed)
         except ExpertsUnavailable:
             raise  # the step stays pending; the next call retries it, losing nothing
         except Exception:
             # A failed forward pass fails the requests in it, not the engine: the rest go on.
             log.exception("forward pass failed; finishing %d requests with reason 'error'", len(out.scheduled))
             self._pending = None
-            return [self._fail(s.seq) for s in out.scheduled]
+            # (a streamed run may have finished some of them already, and emitted their tokens)
+            return [self._fail(s.seq) for s in out.scheduled if s.seq.request_id in self.requests]
         self._pending = None
+        if streamed is not None:
+            streamed.check_done(sampled)
+            return []
         changed = self.scheduler.update(out, sampled)
         return [self._postprocess(seq) for seq in changed if seq.request_id in self.requests]
 
@@ -305,6 +320,35 @@ def stream_prefill_experts(model, device: torch.device, min_tokens: int) -> None
         executor = getattr(module, "executor", None)
         if isinstance(executor, CpuExpertExecutor):
             module.executor = wrapped.setdefault(id(executor), DevicePrefill(executor, device, min_tokens))
+
+
+class _StreamedRun:
+    """A multi-step decode's tokens applied and emitted step by step (LLMEngine.step with emit):
+    called as step i of the run ends, with its tokens in scheduled order, it accounts them as a
+    one-token step of every sequence (the scheduler's stops, freeing a finished sequence's blocks,
+    the stop strings) and emits the outputs. True: go on with the run."""
+
+    def __init__(self, engine: LLMEngine, out: SchedulerOutput, emit, interrupted):
+        self.engine, self.out, self.emit, self.interrupted = engine, out, emit, interrupted
+        self.steps = 0  # steps applied
+
+    def __call__(self, i: int, tokens: list[int]) -> bool:
+        if i != self.steps:
+            raise RuntimeError(f"decode step {i} of a streamed run, after {self.steps} applied")
+        engine, self.steps = self.engine, i + 1
+        step = SchedulerOutput([replace(w, start_pos=w.start_pos + i, num_steps=1) for w in self.out.scheduled])
+        changed = engine.scheduler.update(step, {w.seq.request_id: t for w, t in zip(self.out.scheduled, tokens)})
+        outputs = [engine._postprocess(seq) for seq in changed if seq.request_id in engine.requests]
+        if outputs:
+            self.emit(outputs)
+        running = any(not w.seq.is_finished for w in self.out.scheduled)
+        return running and not (self.interrupted is not None and self.interrupted())
+
+    def check_done(self, sampled: dict[str, list[int]]) -> None:
+        """The run returned `sampled`: every step of it must have been applied here."""
+        done = max((len(t) for t in sampled.values()), default=0)
+        if done != self.steps:
+            raise RuntimeError(f"a streamed run returned {done} steps, {self.steps} applied")
 
 
 @dataclass

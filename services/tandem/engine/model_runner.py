@@ -17,6 +17,10 @@ from tandem.model.model import CausalLM
 
 log = logging.getLogger(__name__)
 
+# Called as each step of a multi-step decode ends, with its tokens in scheduled order; a false
+# return ends the run there (tandem.engine.llm_engine streams a run's tokens this way).
+StepCallback = Callable[[int, list[int]], bool]
+
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device):
@@ -36,13 +40,15 @@ class ModelRunner:
         self.cache.swap(swap_out, DEVICE, CPU)
         self.cache.swap(swap_in, CPU, DEVICE)
 
-    def execute(self, scheduled, generators: dict[str, torch.Generator | None]) -> dict[str, int | list[int]]:
+    def execute(self, scheduled, generators: dict[str, torch.Generator | None],
+                on_step: StepCallback | None = None) -> dict[str, int | list[int]]:
         """Run one forward pass over the scheduled chunks; returns request_id -> sampled token (the
-        tokens, for a multi-step decode: see decode_steps)."""
+        tokens, for a multi-step decode: see decode_steps, which on_step is for)."""
         if not scheduled:
             return {}
         if scheduled[0].num_steps > 1 or (self.device.type == "cpu" and self._greedy_decode(scheduled)):
-            return self.decode_steps(scheduled, generators)  # one step of it: the native greedy run, if it serves
+            # one step of it: the native greedy run, if it serves
+            return self.decode_steps(scheduled, generators, on_step)
         # Device-tier sequences first: each tier's tokens are then one slice (see tandem.kv.tiered).
         on_device = [s for s in scheduled if s.tier == DEVICE]
         on_cpu = [s for s in scheduled if s.tier == CPU]
@@ -71,15 +77,18 @@ class ModelRunner:
         ids = self._sample(hidden[last], rids, [s.seq.params for s in sampling], [generators.get(r) for r in rids])
         return dict(zip(rids, ids.tolist()))
 
-    def decode_steps(self, scheduled, generators: dict[str, torch.Generator | None]) -> dict[str, list[int]]:
+    def decode_steps(self, scheduled, generators: dict[str, torch.Generator | None],
+                     on_step: StepCallback | None = None) -> dict[str, list[int]]:
         """num_steps decode steps in a row of device-tier sequences (the scheduler's multi-step
         decode), each step's sampled tokens the next one's inputs: request_id -> its tokens.
 
         The steps' attention metadata is built once, and the sampled ids stay a tensor until the
         end. When every sequence samples greedily and nothing watches the logits, the model may run
-        all the steps in one native call (`CausalLM.greedy_steps`). When the experts become
-        unavailable after the first step, the tokens sampled so far are returned (the next step
-        meets the outage again and stays pending, see LLMEngine.step)."""
+        all the steps in one native call (`CausalLM.greedy_steps`). on_step(i, tokens), when given,
+        is called as each step i ends with its tokens (a list in scheduled order); a false return
+        ends the run after that step, and the tokens so far are returned. So are they when the
+        experts become unavailable after the first step (the next step meets the outage again and
+        stays pending, see LLMEngine.step)."""
         steps = scheduled[0].num_steps
         if any(s.num_steps != steps or s.tier != DEVICE or len(s.token_ids) != 1 for s in scheduled):
             raise ValueError("a multi-step decode takes one token of every sequence, all on the device tier, "
@@ -94,8 +103,9 @@ class ModelRunner:
         ids = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long, device=self.device)  # [B]
         tokens = torch.full((len(rids), steps), -1, dtype=torch.long, device=self.device)  # a column per step done
         greedy = not graphed and self._greedy_decode(scheduled)
+        native_step = None if on_step is None else (lambda i: on_step(i, tokens[:, i].tolist()))
         try:
-            if not (greedy and self.model.greedy_steps(ids, run, self.cache, tokens)):
+            if not (greedy and self.model.greedy_steps(ids, run, self.cache, tokens, native_step)):
                 metas = AttentionMetadata.decode_steps(run, self.cache.block_size, self.device)
                 for i, meta in enumerate(metas):
                     if graphed:
@@ -105,14 +115,15 @@ class ModelRunner:
                         hidden = self.model(ids, meta.query_pos.view(-1), self.cache, step,
                                             max_position=max(starts) + i)
                     ids = tokens[:, i] = self._sample(hidden, rids, params, gens)  # [B]
+                    if on_step is not None and not on_step(i, ids.tolist()):
+                        break
         except ExpertsUnavailable:
-            done = int((tokens[0] >= 0).sum())
-            if not done:
+            if tokens[0, 0] < 0:
                 raise
-            log.warning("experts unavailable after %d of %d decode steps; keeping the %d tokens sampled",
-                        done, steps, done, exc_info=True)
-            tokens = tokens[:, :done]
-        return dict(zip(rids, tokens.tolist()))
+            log.warning("experts unavailable after %d of %d decode steps; keeping the tokens sampled",
+                        int((tokens[0] >= 0).sum()), steps, exc_info=True)
+        done = int((tokens[0] >= 0).sum())  # fewer than steps: an outage, or on_step ended the run
+        return dict(zip(rids, tokens[:, :done].tolist()))
 
     def _sample(self, hidden: torch.Tensor, rids: list[str], params, generators) -> torch.Tensor:
         """hidden [B, H] of the positions sampled from, one per request -> token ids [B] long."""

@@ -92,17 +92,18 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def greedy_steps(self, input_ids: torch.Tensor, steps: DecodeSteps, cache: KVCache, tokens: torch.Tensor) -> bool:
+    def greedy_steps(self, input_ids: torch.Tensor, steps: DecodeSteps, cache: KVCache, tokens: torch.Tensor,
+                     on_step=None) -> bool:
         """Greedy decode steps in a row through the native path in one call: input_ids [B], one next
         token per sequence, `steps` where each step computes them; the argmax tokens go to tokens
-        [B, S], each step's the next one's input, a column per step as it ends. False (nothing run)
-        when the native path cannot run them: the caller then runs and samples the steps one at a
-        time."""
+        [B, S], each step's the next one's input, a column per step as it ends, and on_step(s) (if
+        given) is called then; its false return ends the run. False (nothing run) when the native
+        path cannot run them: the caller then runs and samples the steps one at a time."""
         fused = self._native_path() if self.native_decode else None
         if fused is None or not fused.runs_greedy(input_ids.shape[0]):
             return False
         rope = self.rotary.table(steps.max_position + 1, input_ids.device)  # [2, P, D]
-        return fused.greedy(input_ids, rope, steps, cache, tokens)
+        return fused.greedy(input_ids, rope, steps, cache, tokens, on_step)
 
     @property
     def native_path(self) -> native_decode.NativeDecode | None:

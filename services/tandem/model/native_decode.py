@@ -243,16 +243,17 @@ class NativeDecode:
         return self.natives is not None and self.head is not None and 0 < num_seqs <= self.max_tokens
 
     def greedy(self, ids: torch.Tensor, rope: torch.Tensor, steps: DecodeSteps, cache: KVCache,
-               tokens: torch.Tensor) -> bool:
+               tokens: torch.Tensor, on_step=None) -> bool:
         """Greedy decode steps in a row in one native call (`decode_greedy`): ids [B] are the
         sequences' next inputs, `steps` where each step computes them (positions, slots, block
         tables), rope the RoPE table [2, P, D]; the argmax tokens go to tokens [B, S], a column per
-        step as it ends (when a step raises, those before it are there). The observers see every
-        step's calls. False (nothing run) when the experts process is reached over gRPC only."""
+        step as it ends (when a step raises, those before it are there). on_step(s), when given, is
+        called as column s is written, and a false return ends the run there. The observers see
+        every step's calls. False (nothing run) when the experts process is reached over gRPC only."""
         k_caches, v_caches = self._device_caches(cache)
         args = (self.natives, self.embed, rope, ids, k_caches, v_caches, steps.positions, steps.slots,
                 steps.block_tables, steps.sliding_window or 0, self.final_norm, self.final_eps, self.head, tokens)
-        done = self._one_call(self.decode_greedy, *args)
+        done = self._one_call(self.decode_greedy, *args, on_step=on_step)
         if done is None:
             return False
         seconds, ids_per_step = done
@@ -270,14 +271,14 @@ class NativeDecode:
             self._caches = (cache, [layer["k"] for layer in layers], [layer["v"] for layer in layers])
         return self._caches[1], self._caches[2]
 
-    def _one_call(self, fn, *args):
+    def _one_call(self, fn, *args, **kwargs):
         """fn(*args), a native call over every layer, with the experts in this process; with them in
         the experts process, fn(*args, *plane) over the data plane connection, or None (nothing run)
         when there is none (Forward goes over gRPC)."""
         if self.remote is None:
-            return fn(*args)
+            return fn(*args, **kwargs)
         with self.remote.data_plane_calls() as plane:
-            return None if plane is None else fn(*args, *plane)
+            return None if plane is None else fn(*args, *plane, **kwargs)
 
     def _observed(self, seconds: list[float], ids: list[torch.Tensor]) -> None:
         """One step's expert calls, a layer each, made inside a native call: the data plane client

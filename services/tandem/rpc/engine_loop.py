@@ -159,13 +159,18 @@ class EngineLoop:
             elif self.engine.has_unfinished_requests():
                 self._step()
 
+    def _interrupted(self) -> bool:
+        return bool(self._commands) or self._stopping  # read without the lock: a step ends one token early or late
+
     def _has_work(self) -> bool:
         return self.experts_down or self.engine.has_unfinished_requests()
 
     def _step(self) -> bool:
         """One engine step; False when the experts were unreachable (the engine keeps it pending)."""
         try:
-            outputs = self.engine.step()
+            # A multi-step decode streams each token step's outputs as it ends, and ends early when
+            # a command (a request to admit, an abort) or shutdown is waiting.
+            outputs = self.engine.step(emit=self._dispatch, interrupted=self._interrupted)
         except ExpertsUnavailable as exc:
             self._set_down(True, exc)
             return False

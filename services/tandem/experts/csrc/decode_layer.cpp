@@ -492,14 +492,16 @@ int64_t argmax_row(const float* l, int64_t n) {
 // ids [B] int64; positions and slots [S, B] int64 (step s writes its K and V at slots[s] and
 // attends to positions[s] + 1 tokens); block_tables cover every step. Each step's tokens go to
 // column s of tokens [B, S] int64 as it ends, so when a step throws (the experts process lost)
-// the columns before it hold the steps done. Returns, per step, what decode_layers returns per
-// layer (expert seconds and ids).
+// the columns before it hold the steps done. on_step (None, or a Python callable) is called with
+// the GIL held as on_step(s) after column s is written: the engine streams that step's tokens
+// out, and a false return ends the run there (the later columns stay as they were). Returns, per
+// step done, what decode_layers returns per layer (expert seconds and ids).
 std::tuple<std::vector<std::vector<double>>, std::vector<std::vector<at::Tensor>>> decode_greedy(
     const std::vector<const DecodeLayer*>& layers, const at::Tensor& embed, const at::Tensor& rope,
     const at::Tensor& ids, std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
     const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& block_tables, int64_t sliding_window,
     const at::Tensor& final_norm, double final_eps, const Dense& head, at::Tensor& tokens, int64_t data_fd,
-    int64_t spin_us, int64_t timeout_ms) {
+    int64_t spin_us, int64_t timeout_ms, const pybind11::object& on_step) {
   TORCH_CHECK(!layers.empty() && layers[0] != nullptr, "decode_greedy: no layers");
   const int64_t hidden = layers[0]->hidden, D = layers[0]->head_dim;
   TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden &&
@@ -552,6 +554,10 @@ std::tuple<std::vector<std::vector<double>>, std::vector<std::vector<at::Tensor>
     for (int64_t b = 0; b < B; ++b) tp[b * S + s] = current[b] = argmax_row(logits.data_ptr<float>() + b * N, N);
     seconds.push_back(std::move(layer_seconds));
     expert_ids.push_back(std::move(layer_ids));
+    if (!on_step.is_none()) {
+      pybind11::gil_scoped_acquire gil;
+      if (!pybind11::bool_(on_step(s))) break;
+    }
   }
   return {std::move(seconds), std::move(expert_ids)};
 }
@@ -590,7 +596,7 @@ void bind_decode_layer(pybind11::module& m) {
         py::arg("layers"), py::arg("embed"), py::arg("rope"), py::arg("ids"), py::arg("k_caches"),
         py::arg("v_caches"), py::arg("positions"), py::arg("slots"), py::arg("block_tables"),
         py::arg("sliding_window"), py::arg("final_norm"), py::arg("final_eps"), py::arg("head"), py::arg("tokens"),
-        py::arg("data_fd") = -1, py::arg("spin_us") = 0, py::arg("timeout_ms") = -1,
+        py::arg("data_fd") = -1, py::arg("spin_us") = 0, py::arg("timeout_ms") = -1, py::arg("on_step") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   py::class_<Dense>(m, "Dense", "a dense projection for DecodeLayer: kind 0 f32, kind 1 bf16, kind 2 int8 rows")
       .def(py::init<>())
