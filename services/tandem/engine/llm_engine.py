@@ -55,8 +55,9 @@ class EngineConfig:
     # the weights streamed from host memory (tandem.experts.device_prefill); 0: always the CPU.
     device_prefill_tokens: int = DEVICE_PREFILL_TOKENS
     # Decode tokens per engine step while only decodes run (vLLM's multi-step scheduling; see
-    # tandem.engine.scheduler): the scheduling and output processing between forward passes run
-    # once per this many tokens, and streams get their tokens in runs of as many. 1: every token.
+    # tandem.engine.scheduler): the scheduling between forward passes runs once per this many
+    # tokens. step(emit=...) streams each token as its step of the run ends (the serving loop
+    # does); step() returns them together at the run's end. 1: a step per token.
     num_scheduler_steps: int = 1
 
     DEFAULT_MAX_MODEL_LEN = 8192

@@ -14,6 +14,9 @@ tokens in a row: each sequence gets the slots for all of them at once and the ru
 sampled token to the next forward pass, so the scheduling and the output processing around a
 forward pass run once per N tokens. A sequence that stops early (a stop token, a stop string)
 drops the tokens after its stop; N is cut so that no sequence passes max_tokens or max_model_len.
+The engine can stream such a run (LLMEngine.step's emit): each token step is accounted here as a
+one-token step as it ends, and the run ends early when all its sequences have stopped or the
+caller has work (a request to admit), keeping the slots allocated for the steps not run.
 
 With `cpu_decode` (the serving default), a sequence that would be swapped out is offloaded
 instead: its KV moves to the CPU tier and it keeps running there, its attention computed on

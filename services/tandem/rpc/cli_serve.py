@@ -60,8 +60,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens computed per engine step, prefill chunks included (default 2048)")
     p.add_argument(F["num_scheduler_steps"], type=int, default=1, metavar="N",
                    help="decode tokens per engine step while only decodes run (vLLM's multi-step scheduling): "
-                        "the scheduling between forward passes runs once per N tokens, and streams get their "
-                        "tokens in runs of N (default 1)")
+                        "the scheduling between forward passes runs once per N tokens; each token is still "
+                        "streamed as its step ends, and a run ends early for a new request (default 1)")
     p.add_argument("--max-model-len", type=int, help="longest prompt plus generation (default: the model's)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="waiting requests beyond this are refused with RESOURCE_EXHAUSTED (default 1024)")
