@@ -577,28 +577,6 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
   }
 }
 
-#if !TANDEM_WIDE
-// Four rows' block sums, m[r] holding row r's superblock (lanes 0..3: block 0, 4..7: block 1),
-// as [block 0 of rows 0..3 | block 1 of rows 0..3]: a transpose-add in each 128-bit lane.
-static inline __m256i sum_blocks4(__m256i m0, __m256i m1, __m256i m2, __m256i m3) {
-  const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(m0, m1), _mm256_unpackhi_epi32(m0, m1));
-  const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(m2, m3), _mm256_unpackhi_epi32(m2, m3));
-  return _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
-}
-
-// The group scales of superblock sb's 2 blocks for 4 rows, as floats laid out as sum_blocks4's.
-static inline __m256 superblock_scales4(const uint16_t* const* scale, int64_t sb, int shift) {
-  int32_t bits[4];
-  for (int r = 0; r < 4; ++r) {
-    const uint16_t* s = scale[r] + ((sb * 2) >> shift);
-    bits[r] = static_cast<int32_t>(s[0] | (static_cast<uint32_t>(shift == 0 ? s[1] : s[0]) << 16));
-  }
-  const __m128i h = _mm_setr_epi32(bits[0], bits[1], bits[2], bits[3]);  // (row r block 0, block 1) halves
-  const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-  return _mm256_cvtph_ps(_mm_shuffle_epi8(h, order));
-}
-#endif
-
 // res[r * NT + t] = int4 row w[r] (group scales scale[r], minimums mn[r]) times Q8 activations
 // a[t] (see dot_int4), for 4 rows: the activations' loads and block scales are shared by four
 // weight streams.
@@ -607,28 +585,6 @@ static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, co
                        int64_t group, const Act* a, float* res) {
   const int64_t blocks = K / 32, supers = blocks / kSuper, per_group = group / 32;
   const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;  // see dot_int4
-#if !TANDEM_WIDE
-  // AVX2: the four rows' integer block sums are transposed into one vector before they become
-  // floats, so the conversion, the scales and the FMA are paid once per four rows, not per row:
-  // cores that split 256-bit operations in two (AMD Zen 1) are short of vector issue slots here.
-  static_assert(kSuper == 2, "sum_blocks4 takes superblocks of 2 blocks");
-  T blk[NT];
-  for (int t = 0; t < NT; ++t) blk[t] = V::zero();
-  for (int64_t sb = 0; sb < supers; ++sb) {
-    for (int r = 0; r < 4; ++r)
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + sb * kSuper * 16) + kPrefetch, _MM_HINT_T0);
-    const __m256 sv = superblock_scales4(scale, sb, shift);
-    for (int t = 0; t < NT; ++t) {
-      const float* d = a[t].d + sb * kSuper;
-      const __m256 dv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(d[0])), _mm_set1_ps(d[1]), 1);
-      const int8_t* q = a[t].q + sb * kSuper * 32;
-      const __m256i m = sum_blocks4(V::dot_i4_q8(w[0] + sb * kSuper * 16, q), V::dot_i4_q8(w[1] + sb * kSuper * 16, q),
-                                    V::dot_i4_q8(w[2] + sb * kSuper * 16, q), V::dot_i4_q8(w[3] + sb * kSuper * 16, q));
-      blk[t] = V::fma(V::cvt(m), V::mul(sv, dv), blk[t]);
-    }
-  }
-  T acc[4][NT];  // the minimum terms, a row each
-#else
   T acc[4][NT];
   for (int r = 0; r < 4; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = V::zero();
@@ -647,12 +603,7 @@ static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, co
       }
     }
   }
-#endif
   // The minimum term, sum_g min_g xs_g, goes into the same accumulators: one reduction per row.
-#if !TANDEM_WIDE
-  for (int r = 0; r < 4; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = V::zero();
-#endif
   const int64_t groups = K / group, gv = groups / W * W;
   for (int64_t i = 0; i < gv; i += W)
     for (int t = 0; t < NT; ++t) {
@@ -661,12 +612,7 @@ static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, co
     }
   for (int t = 0; t < NT; ++t) {
     float s[4];
-#if !TANDEM_WIDE
-    const __m128 rows = _mm_add_ps(_mm256_castps256_ps128(blk[t]), _mm256_extractf128_ps(blk[t], 1));
-    _mm_storeu_ps(s, _mm_add_ps(rows, V::sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t])));
-#else
     _mm_storeu_ps(s, V::sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
-#endif
     for (int r = 0; r < 4; ++r) {
       for (int64_t g = gv; g < groups; ++g) s[r] += half_to_float(mn[r][g]) * a[t].xs[g];
       res[r * NT + t] = int4_tail(s[r], w[r], scale[r], supers * kSuper, blocks, per_group, a[t]);
