@@ -2,16 +2,22 @@
 routed experts on that machine's CPU cores. Needs an NVIDIA GPU (the suite never does).
 
     PYTHONPATH=services python benchmarks/gpu_hybrid.py [--layers 4] [--prompt-len 512]
-        [--gen-len 64] [--concurrency 1,4,8] [--expert-quant none] [--json out.json]
+        [--gen-len 64] [--concurrency 1,4,8] [--expert-quant none] [--multi-step 8]
+        [--json out.json]
 
 It writes a Mixtral-architecture checkpoint (transformers' own class, random weights, bfloat16;
 hidden 4096, 8 experts of intermediate 14336, top-2, as Mixtral-8x7B, with fewer layers: 2.8 GB of
 experts a layer) unless one is there, then measures in this one process:
 
-  tandem, CUDA graphs   decode steps replayed from graphs (tandem.engine.cuda_graph)
-  tandem, eager         the same engine with its graphs set aside (--enforce-eager)
+  tandem, CUDA graphs   decode steps replayed from graphs (tandem.engine.cuda_graph); measured
+                        first and again after the other tandem rows
+  ... multi-step        the same with --num-scheduler-steps N (each run's tokens streamed)
+  tandem, eager         the same engine with its graphs set aside (--enforce-eager), single- and
+                        multi-step
   tandem, CPU prefill   graphs, with every prefill chunk's experts on the CPU cores instead of
                         streamed to the GPU (tandem.experts.device_prefill)
+  ... pageable prefill  graphs, last, with the experts' host memory no longer page-locked (the
+                        engine locks it for the prefill copies: EngineConfig.page_lock_experts)
   transformers          `generate` with the whole model in GPU memory: the speed the hybrid would
                         have if the experts fitted on the card, which is what it is for when they
                         do not
@@ -91,17 +97,28 @@ def bench_tandem(model_dir: Path, args, bandwidth: float) -> dict:
             layer.mlp.executor = clock
     graphs = engine.runner.graphs
     min_tokens = {key: e.min_tokens for key, e in streamed.items()}
-    results = {"load_s": load_s, "experts_page_locked": all(e.pinned for e in streamed.values())}
-    # graphs and GPU prefill; eager decode; the CPU computing every prefill chunk's experts
-    for name, runner_graphs, gpu_prefill in (("graphs", graphs, True), ("eager", None, True),
-                                             ("graphs_cpu_prefill", graphs, False)):
+    # the engine page-locks the experts' host memory for the prefill copies (page_lock_experts)
+    results = {"load_s": load_s, "experts_page_locked": bool(streamed) and all(e.pinned for e in streamed.values())}
+    # (name, graphs, prefill experts on the GPU, decode tokens a scheduled step); the graphed
+    # single-step rows on either side of the others, which they are compared with
+    rows = [("graphs", graphs, True, 1), ("graphs_multi_step", graphs, True, args.multi_step),
+            ("eager", None, True, 1), ("eager_multi_step", None, True, args.multi_step),
+            ("graphs_cpu_prefill", graphs, False, 1), ("graphs_again", graphs, True, 1)]
+    if results["experts_page_locked"]:
+        rows.append(("graphs_pageable_prefill", graphs, True, 1))
+    for name, runner_graphs, gpu_prefill, steps in rows:
+        if name == "graphs_pageable_prefill":  # last: the prefill copies from pageable memory
+            for e in streamed.values():
+                e.unlock()
         engine.runner.graphs = runner_graphs
+        engine.scheduler.config.num_scheduler_steps = steps
         for key, e in streamed.items():
             e.min_tokens = min_tokens[key] if gpu_prefill else 1 << 30
         steps_before = graphs.steps if graphs else 0
         clock.seconds = 0.0
         r = bench(engine, args.prompt_len, args.gen_len, args.concurrency, None, traffic)
         expert_bytes_step = r["weight_bytes_per_step"] - dense
+        r["num_scheduler_steps"] = steps
         r["expert_bytes_per_step"] = expert_bytes_step
         r["cpu_roofline_tok_s"] = bandwidth * 1e9 / expert_bytes_step
         r["cpu_roofline_share"] = r["decode_tok_s"] / r["cpu_roofline_tok_s"]
@@ -156,6 +173,7 @@ def main() -> int:
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,8")
     p.add_argument("--expert-quant", choices=["none", "int8", "int4"], default="none")
+    p.add_argument("--multi-step", type=int, default=8, help="num_scheduler_steps of the multi-step rows")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -177,7 +195,7 @@ def main() -> int:
     t, hf = report["tandem"], report.get("transformers_gpu_only")
     print(f"\n{'':24}{'prefill tok/s':>14}{'decode tok/s':>14}{'ITL p50 ms':>12}{'CPU roofline':>14}"
           + "".join(f"{f'agg@{c}':>10}" for c in args.concurrency))
-    for name in ("graphs", "eager", "graphs_cpu_prefill"):
+    for name in [k for k in t if isinstance(t[k], dict) and "decode_tok_s" in t[k]]:
         r = t[name]
         print(f"{'tandem ' + name:24}{r['prefill_tok_s']:14.0f}{r['decode_tok_s']:14.1f}{r['itl_p50_s'] * 1e3:12.2f}"
               f"{r['cpu_roofline_share']:14.0%}"
@@ -185,10 +203,19 @@ def main() -> int:
     if hf:
         print(f"{'transformers (all GPU)':24}{hf['prefill_tok_s']:14.0f}{hf['decode_tok_s']:14.1f}{'':12}{'':14}"
               + "".join(f"{hf['concurrency'][c]['aggregate_tok_s']:10.1f}" for c in args.concurrency))
-    print(f"graphs / eager decode: {t['graphs']['decode_tok_s'] / t['eager']['decode_tok_s']:.2f}x, "
-          f"again {t['graphs_cpu_prefill']['decode_tok_s'] / t['eager']['decode_tok_s']:.2f}x; "
-          f"GPU / CPU prefill experts: {t['graphs']['prefill_tok_s'] / t['graphs_cpu_prefill']['prefill_tok_s']:.1f}x; "
+    def ratio(a, b, key="decode_tok_s"):
+        return t[a][key] / t[b][key]
+
+    print(f"graphs / eager decode: {ratio('graphs', 'eager'):.2f}x, again {ratio('graphs_again', 'eager'):.2f}x; "
+          f"multi-step / single-step decode: graphs {ratio('graphs_multi_step', 'graphs'):.2f}x "
+          f"(against the second graphs row {ratio('graphs_multi_step', 'graphs_again'):.2f}x), "
+          f"eager {ratio('eager_multi_step', 'eager'):.2f}x; "
+          f"GPU / CPU prefill experts: {ratio('graphs', 'graphs_cpu_prefill', 'prefill_tok_s'):.1f}x; "
           f"CPU bandwidth {bandwidth:.0f} GB/s")
+    if "graphs_pageable_prefill" in t:
+        locked = ratio("graphs_again", "graphs_pageable_prefill", "prefill_tok_s")
+        print(f"page-locked / pageable prefill copies: {locked:.2f}x "
+              f"(loading took {t['load_s']:.1f} s, the page-locking included)")
     return 0
 
 

@@ -88,9 +88,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every decode step eagerly instead of replaying CUDA graphs")
+    add_page_lock_arg(p)
     p.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
                    help="decode tokens per engine step while only decodes run (vLLM's multi-step scheduling; "
                         "default 1)")
+
+
+def add_page_lock_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-page-lock-experts", dest="page_lock_experts", action="store_false",
+                   help="CUDA: leave the routed experts' host memory pageable; by default it is page-locked, "
+                        "so large prefill chunks copy the experts to the GPU at full speed")
 
 
 def add_dense_quant_arg(p: argparse.ArgumentParser) -> None:
@@ -136,7 +143,8 @@ def build_engine(args):
 
     try:
         config = EngineConfig(block_size=args.block_size, max_model_len=args.max_model_len,
-                              enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps)
+                              enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
+                              page_lock_experts=args.page_lock_experts)
         return LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config,
                                          expert_executor=getattr(args, "expert_executor", None),
                                          expert_threads=args.threads, expert_quant=args.expert_quant,

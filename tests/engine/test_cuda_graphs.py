@@ -1,10 +1,11 @@
 """Decode on CUDA: attention on the GPU, routed experts on the CPU, steps replayed from CUDA graphs.
 
 The suite never needs a GPU: these tests skip without one, and run on a GPU machine
-(benchmarks/gpu_hybrid.py's --test). What CUDA graphs change is how kernels are launched, so a
-graphed engine must give transformers' greedy tokens, and the same logits as the eager engine for
-batches padded to a captured size (padding rows must write no KV and change nothing).
-"""
+(benchmarks/RESULTS.md, rounds nine and sixteen). What CUDA graphs change is how kernels are
+launched, so a graphed engine must give transformers' greedy tokens, and the same logits as the
+eager engine for batches padded to a captured size (padding rows must write no KV and change
+nothing); multi-step runs must give the single-step tokens, and prefill experts copied from
+page-locked memory transformers' tokens."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from tandem.engine import cuda_graph
+from tandem.experts import device_prefill
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv.cache import DEVICE
@@ -108,3 +110,60 @@ def test_graphed_bfloat16_tracks_eager(demo_model_dir):
     assert tokens == ref_tokens
     for a, b in zip(logits, ref_logits):
         assert (a - b).abs().max().item() <= 1e-2
+
+
+@cuda
+@pytest.mark.parametrize("stream", [False, True], ids=["returned", "streamed"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphed", "eager"])
+def test_multi_step_decode_on_cuda_gives_the_single_step_tokens(enforce_eager, stream, demo_model_dir):
+    # Greedy and seeded sampled requests, one cut short by max_tokens inside a run; with graphs,
+    # every step of every run replays a graph, the batch shrinking as sequences finish.
+    from test_engine import MIXED, prompts, run
+
+    model_dir = demo_model_dir("mixtral", initializer_range=0.2)
+    requests = {f"r{i}": (p, params) for i, (p, params) in enumerate(zip(prompts(4), MIXED))}
+    want, single_steps = run(cuda_engine(model_dir, enforce_eager=enforce_eager), requests)
+    e = cuda_engine(model_dir, enforce_eager=enforce_eager, num_scheduler_steps=4)
+    got, steps = run(e, requests, stream)
+    assert got == want
+    assert len(steps) < len(single_steps) / 2
+    sizes = [n for step in steps for batch in step for n in batch.values()]
+    assert max(sizes) == (1 if stream else 4)
+    if not enforce_eager:
+        # every decode step replayed a graph: at least the longest request's steps
+        assert e.runner.graphs.steps >= max(len(tokens) for tokens, _, _ in want.values()) - 1
+    stats = e.stats()
+    assert stats.kv_blocks_used[DEVICE] == 0 and stats.num_running == 0
+
+
+@cuda
+def test_graphed_multi_step_greedy_gives_transformers_tokens(demo_model_dir):
+    model_dir = demo_model_dir("qwen2_moe", initializer_range=0.2)
+    prompt = prompt_for(3, 14)
+    ref_tokens, _ = hf_greedy(model_dir, prompt, NEW_TOKENS)
+    engine = cuda_engine(model_dir, enforce_eager=False, num_scheduler_steps=8)
+    [result] = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert result.token_ids == ref_tokens
+    assert engine.runner.graphs.steps == NEW_TOKENS - 1
+
+
+@cuda
+def test_page_locked_prefill_experts_give_transformers_greedy_tokens(demo_model_dir):
+    # Experts large enough to page-lock (per layer, float32: gate_up 128 MiB, down 64 MiB; smaller
+    # tensors may share pages and are left pageable): the engine locks them by default.
+    model_dir = demo_model_dir("mixtral", initializer_range=0.2, hidden_size=512, intermediate_size=4096)
+    prompt = prompt_for(4, 40)
+    ref_tokens, ref_logits = hf_greedy(model_dir, prompt, NEW_TOKENS)
+    engine = cuda_engine(model_dir, enforce_eager=False, device_prefill_tokens=8)
+    [streamed] = {id(layer.mlp.executor): layer.mlp.executor for layer in engine.model.model.layers}.values()
+    assert streamed.pinned
+    [tokens], [logits] = greedy(engine, [prompt])
+    assert streamed.calls == len(engine.model.model.layers)  # the prefill's experts ran on the GPU
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max().item() <= 1e-3
+    # Unlocked, the pages can be locked again (registering a page twice fails).
+    streamed.unlock()
+    assert not streamed.pinned and device_prefill.page_lock(streamed.weights.values())
+    streamed.pinned = True  # unlocked again when the engine goes
+    unlocked = cuda_engine(model_dir, enforce_eager=False, device_prefill_tokens=8, page_lock_experts=False)
+    assert not unlocked.model.model.layers[0].mlp.executor.pinned

@@ -44,3 +44,19 @@ def test_small_chunks_and_quantized_layers_stay_on_the_cpu(layers):  # noqa: F81
 def test_bad_settings_are_refused(layers):  # noqa: F811
     with pytest.raises(ValueError, match="at least 1"):
         DevicePrefill(CpuExpertExecutor(layers, kernel="torch", threads=1), torch.device("cpu"), min_tokens=0)
+
+
+def test_the_engine_wraps_each_executor_once(demo_model_dir, monkeypatch):
+    # The layers share one CPU executor; a wrapper per layer would page-lock the same memory again
+    # (cudaErrorHostMemoryAlreadyRegistered, reported by the next kernel launch).
+    from tandem.engine import llm_engine
+
+    made = []
+    monkeypatch.setattr(llm_engine, "DevicePrefill", lambda *a, **kw: made.append(kw) or DevicePrefill(*a, **kw))
+    engine = llm_engine.LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu",
+                                                  config=llm_engine.EngineConfig())
+    layers = engine.model.model.layers
+    llm_engine.stream_prefill_experts(engine.model, torch.device("cpu"), 8, pin=True)
+    assert len(layers) > 1 and made == [{"pin": True}]
+    [wrapper] = {id(layer.mlp.executor): layer.mlp.executor for layer in layers}.values()
+    assert isinstance(wrapper, DevicePrefill) and not wrapper.pinned  # nothing to page-lock off CUDA

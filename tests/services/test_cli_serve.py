@@ -39,6 +39,15 @@ def test_defaults_follow_the_contract(tmp_path):
     assert parse("--model", str(tmp_path), "--role", "experts").metrics_port == contract.EXPERTS_METRICS_PORT
 
 
+def test_experts_are_page_locked_unless_asked_not_to(tmp_path):
+    # CUDA prefill copies the experts from page-locked host memory (tandem.experts.device_prefill)
+    from tandem.rpc.loading import engine_config
+
+    assert engine_config(parse("--model", str(tmp_path))).page_lock_experts is True
+    opts = parse("--model", str(tmp_path), "--no-page-lock-experts")
+    assert opts.page_lock_experts is False and engine_config(opts).page_lock_experts is False
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--role", "attention"], "--role attention needs --experts"),
     (["--experts", "unix:/x.sock"], "--experts is only for --role attention"),

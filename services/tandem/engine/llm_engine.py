@@ -54,6 +54,10 @@ class EngineConfig:
     # On CUDA, prefill chunks of at least this many tokens run their routed experts on the GPU,
     # the weights streamed from host memory (tandem.experts.device_prefill); 0: always the CPU.
     device_prefill_tokens: int = DEVICE_PREFILL_TOKENS
+    # ... with the experts' host memory page-locked (cudaHostRegister), so those copies run at full
+    # speed: 7.75x the prefill from pageable memory on an H100 (benchmarks/RESULTS.md, round
+    # sixteen). The pages then stay in RAM; False leaves them pageable.
+    page_lock_experts: bool = True
     # Decode tokens per engine step while only decodes run (vLLM's multi-step scheduling; see
     # tandem.engine.scheduler): the scheduling between forward passes runs once per this many
     # tokens. step(emit=...) streams each token as its step of the run ends (the serving loop
@@ -116,7 +120,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.cache, device)
         if device.type == "cuda" and config.device_prefill_tokens:
-            stream_prefill_experts(model, device, config.device_prefill_tokens)
+            stream_prefill_experts(model, device, config.device_prefill_tokens, config.page_lock_experts)
         if device.type == "cuda" and not config.enforce_eager:
             reason = cuda_graph.unsupported_reason(model, self.cache)
             if reason is None:
@@ -314,13 +318,17 @@ class LLMEngine:
         return [done[rid] for rid in ids]
 
 
-def stream_prefill_experts(model, device: torch.device, min_tokens: int) -> None:
-    """Give every MoE block's in-process CPU executor a GPU path for large prefill chunks."""
+def stream_prefill_experts(model, device: torch.device, min_tokens: int, pin: bool) -> None:
+    """Give every MoE block's in-process CPU executor a GPU path for large prefill chunks, its
+    weights page-locked if `pin`."""
     wrapped: dict[int, DevicePrefill] = {}
     for module in model.modules():
         executor = getattr(module, "executor", None)
         if isinstance(executor, CpuExpertExecutor):
-            module.executor = wrapped.setdefault(id(executor), DevicePrefill(executor, device, min_tokens))
+            # one wrapper per executor (the layers share one): each would page-lock the same memory
+            if id(executor) not in wrapped:
+                wrapped[id(executor)] = DevicePrefill(executor, device, min_tokens, pin=pin)
+            module.executor = wrapped[id(executor)]
 
 
 class _StreamedRun:

@@ -10,9 +10,11 @@ model whose weights stay in host memory.
 `DevicePrefill` wraps the in-process CPU executor. Chunks of at least `min_tokens` tokens run
 here: the routed experts' weights are copied on a side stream, a few experts ahead of the one
 being computed (at most `ahead` in flight, so GPU memory holds a few experts, not the layer),
-and each expert's tokens are one GEMM pair. The copies come from pageable memory unless `pin`
-asks for the weights to be page-locked (cudaHostRegister), which lets them run at full speed
-without staging but locks most of the host's RAM; it is off by default and was not measured yet.
+and each expert's tokens are one GEMM pair. With `pin` the weights are page-locked first
+(cudaHostRegister, as vLLM pins the weights it offloads to the CPU): the copies then run at full
+speed without staging, 7.75x the prefill from pageable memory on an H100 (benchmarks/RESULTS.md,
+round sixteen), and the pages stay in RAM. The engine asks for it on CUDA (EngineConfig's
+page_lock_experts); where registration fails the copies come from pageable memory.
 Quantized experts (int8, int4) stay on the CPU: only float weights are streamed.
 """
 
@@ -43,7 +45,7 @@ class DevicePrefill:
         # layer -> (gate_up [E, 2I, H], down [E, H, I]) in host memory, float weights only
         self.weights = {i: (p.gate_up, p.down) for i, p in inner.layers.items()
                         if isinstance(p.gate_up, torch.Tensor) and isinstance(p.down, torch.Tensor)}
-        self.pinned = pin and self.device.type == "cuda" and _page_lock(self.weights.values())
+        self.pinned = pin and self.device.type == "cuda" and page_lock(self.weights.values())
         self._copies = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.calls = 0  # chunks computed here
 
@@ -54,12 +56,17 @@ class DevicePrefill:
     def forward(self, layer, hidden, topk_ids, topk_weights):
         return self.inner.forward(layer, hidden, topk_ids, topk_weights)
 
-    def __del__(self):
-        if getattr(self, "pinned", False):  # page-locked memory must be unlocked before it is freed
+    def unlock(self) -> None:
+        """Leave the weights pageable again (page-locked memory must be unlocked before it is freed)."""
+        if getattr(self, "pinned", False):
             cudart = torch.cuda.cudart()
             for tensors in self.weights.values():
                 for t in tensors:
                     cudart.cudaHostUnregister(t.data_ptr())
+            self.pinned = False
+
+    def __del__(self):
+        self.unlock()
 
     def forward_on_device(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor | None:
@@ -132,7 +139,7 @@ class _Staged:
 PAGE_LOCK_MIN_BYTES = 64 << 20
 
 
-def _page_lock(layers) -> bool:
+def page_lock(layers) -> bool:
     """cudaHostRegister every tensor: copies from them then run without a staging buffer. All or
     none: any tensor under PAGE_LOCK_MIN_BYTES (which may share a page) leaves them all pageable."""
     cudart = torch.cuda.cudart()
@@ -145,7 +152,17 @@ def _page_lock(layers) -> bool:
         if int(status) != 0:
             for done in tensors[:i]:
                 cudart.cudaHostUnregister(done.data_ptr())
-            log.warning("could not page-lock the expert weights (cudaError %s): prefill copies them "
-                        "from pageable memory", int(status))
+            _drop_pending_error()
+            log.warning("could not page-lock the expert weights (cudaError %s: %s): prefill copies them "
+                        "from pageable memory", int(status), cudart.cudaGetErrorString(status))
             return False
     return True
+
+
+def _drop_pending_error() -> None:
+    """A failed runtime call leaves its error pending, and the next kernel launch would report it
+    as its own (torch.cuda.cudart() has no cudaGetLastError): launch one here and drop it."""
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:  # torch.AcceleratorError
+        pass

@@ -50,9 +50,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(F["experts_gguf"], metavar="FILE",
                    help="take the routed experts from this llama.cpp GGUF file (Q4_0, Q4_K, Q8_0, ...; its types "
                         "decide their format, so not with --expert-quant), the rest of the model from --model")
-    from tandem.cli import add_dense_quant_arg
+    from tandem.cli import add_dense_quant_arg, add_page_lock_arg
 
     add_dense_quant_arg(p)
+    add_page_lock_arg(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="largest running batch (default 64)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every decode step eagerly instead of replaying CUDA graphs")
@@ -95,7 +96,7 @@ def options_from_args(args):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout,
-        spin_us=args.spin_us, enforce_eager=args.enforce_eager,
+        spin_us=args.spin_us, enforce_eager=args.enforce_eager, page_lock_experts=args.page_lock_experts,
         num_scheduler_steps=args.num_scheduler_steps)
 
 

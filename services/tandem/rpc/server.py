@@ -68,6 +68,7 @@ class ServeOptions:
     expert_timeout_s: float = 30.0
     spin_us: int = 0  # data plane: poll the peer this long before sleeping (cores of its own)
     enforce_eager: bool = False  # CUDA: no decode graphs
+    page_lock_experts: bool = True  # CUDA: the experts' host memory page-locked for prefill copies
     num_scheduler_steps: int = 1  # decode tokens per engine step while only decodes run
 
     def __post_init__(self):
