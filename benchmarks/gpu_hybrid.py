@@ -2,7 +2,7 @@
 routed experts on that machine's CPU cores. Needs an NVIDIA GPU (the suite never does).
 
     PYTHONPATH=services python benchmarks/gpu_hybrid.py [--layers 4] [--prompt-len 512]
-        [--gen-len 64] [--concurrency 1,4,8] [--expert-quant none] [--multi-step 8]
+        [--gen-len 64] [--concurrency 1,4,8] [--expert-quant none] [--multi-step 8] [--rows a,b]
         [--json out.json]
 
 It writes a Mixtral-architecture checkpoint (transformers' own class, random weights, bfloat16;
@@ -106,6 +106,8 @@ def bench_tandem(model_dir: Path, args, bandwidth: float) -> dict:
             ("graphs_cpu_prefill", graphs, False, 1), ("graphs_again", graphs, True, 1)]
     if results["experts_page_locked"]:
         rows.append(("graphs_pageable_prefill", graphs, True, 1))
+    if args.rows:
+        rows = [row for row in rows if row[0] in args.rows]
     for name, runner_graphs, gpu_prefill, steps in rows:
         if name == "graphs_pageable_prefill":  # last: the prefill copies from pageable memory
             for e in streamed.values():
@@ -174,6 +176,7 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,4,8")
     p.add_argument("--expert-quant", choices=["none", "int8", "int4"], default="none")
     p.add_argument("--multi-step", type=int, default=8, help="num_scheduler_steps of the multi-step rows")
+    p.add_argument("--rows", type=lambda v: v.split(","), help="only these tandem rows (names as printed)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -203,19 +206,17 @@ def main() -> int:
     if hf:
         print(f"{'transformers (all GPU)':24}{hf['prefill_tok_s']:14.0f}{hf['decode_tok_s']:14.1f}{'':12}{'':14}"
               + "".join(f"{hf['concurrency'][c]['aggregate_tok_s']:10.1f}" for c in args.concurrency))
-    def ratio(a, b, key="decode_tok_s"):
-        return t[a][key] / t[b][key]
-
-    print(f"graphs / eager decode: {ratio('graphs', 'eager'):.2f}x, again {ratio('graphs_again', 'eager'):.2f}x; "
-          f"multi-step / single-step decode: graphs {ratio('graphs_multi_step', 'graphs'):.2f}x "
-          f"(against the second graphs row {ratio('graphs_multi_step', 'graphs_again'):.2f}x), "
-          f"eager {ratio('eager_multi_step', 'eager'):.2f}x; "
-          f"GPU / CPU prefill experts: {ratio('graphs', 'graphs_cpu_prefill', 'prefill_tok_s'):.1f}x; "
-          f"CPU bandwidth {bandwidth:.0f} GB/s")
-    if "graphs_pageable_prefill" in t:
-        locked = ratio("graphs_again", "graphs_pageable_prefill", "prefill_tok_s")
-        print(f"page-locked / pageable prefill copies: {locked:.2f}x "
-              f"(loading took {t['load_s']:.1f} s, the page-locking included)")
+    print(f"CPU bandwidth {bandwidth:.0f} GB/s; loading took {t['load_s']:.1f} s, page-locking included")
+    for what, a, b, key in (
+            ("graphs / eager decode", "graphs", "eager", "decode_tok_s"),
+            ("... again", "graphs_again", "eager", "decode_tok_s"),
+            ("multi-step / single-step decode, graphs", "graphs_multi_step", "graphs", "decode_tok_s"),
+            ("... against the second graphs row", "graphs_multi_step", "graphs_again", "decode_tok_s"),
+            ("multi-step / single-step decode, eager", "eager_multi_step", "eager", "decode_tok_s"),
+            ("GPU / CPU prefill experts", "graphs", "graphs_cpu_prefill", "prefill_tok_s"),
+            ("page-locked / pageable prefill copies", "graphs_again", "graphs_pageable_prefill", "prefill_tok_s")):
+        if a in t and b in t:  # both rows ran (--rows)
+            print(f"{what}: {t[a][key] / t[b][key]:.2f}x")
     return 0
 
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tandem.engine import cuda_graph
-from tandem.experts import device_prefill
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv.cache import DEVICE
@@ -163,7 +162,30 @@ def test_page_locked_prefill_experts_give_transformers_greedy_tokens(demo_model_
     assert (logits - ref_logits).abs().max().item() <= 1e-3
     # Unlocked, the pages can be locked again (registering a page twice fails).
     streamed.unlock()
-    assert not streamed.pinned and device_prefill.page_lock(streamed.weights.values())
-    streamed.pinned = True  # unlocked again when the engine goes
+    assert not streamed.pinned
+    streamed.lock()
+    assert streamed.pinned  # unlocked again when the engine goes
     unlocked = cuda_engine(model_dir, enforce_eager=False, device_prefill_tokens=8, page_lock_experts=False)
     assert not unlocked.model.model.layers[0].mlp.executor.pinned
+
+
+@cuda
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_prefill_experts_on_the_gpu_track_the_cpu(quant, demo_model_dir):
+    # Copied as stored and dequantized on the GPU: the numbers of the CPU executor, which also
+    # dequantizes for a prefill this long (cpu_executor.PREFILL_TOKENS).
+    model_dir = demo_model_dir("mixtral", initializer_range=0.2)
+    prompt = prompt_for(5, 400)
+
+    def run(device_prefill_tokens):
+        config = EngineConfig(num_device_blocks=160, max_num_seqs=8, device_prefill_tokens=device_prefill_tokens)
+        engine = LLMEngine.from_pretrained(model_dir, device="cuda", dtype="float32", config=config,
+                                           expert_quant=quant)
+        return engine, greedy(engine, [prompt])
+
+    gpu, ([tokens], [logits]) = run(8)
+    cpu, ([ref_tokens], [ref_logits]) = run(0)
+    [streamed] = {id(layer.mlp.executor): layer.mlp.executor for layer in gpu.model.model.layers}.values()
+    assert streamed.calls == len(gpu.model.model.layers)  # the prefill's experts ran on the GPU
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max().item() <= 1e-3

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_experts_cpu import batch, layers, rel_err  # noqa: F401 (layers is a fixture)
+from test_experts_cpu import batch, dequantized_reference, layers, rel_err  # noqa: F401 (layers is a fixture)
 
 from tandem.experts.cpu_executor import CpuExpertExecutor
 from tandem.experts.device_prefill import DevicePrefill
@@ -29,14 +29,28 @@ def test_large_chunks_match_the_reference_executor(layers, ahead, tokens):  # no
     assert device_path.calls == 2
 
 
-def test_small_chunks_and_quantized_layers_stay_on_the_cpu(layers):  # noqa: F811
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_experts_are_copied_as_stored_and_dequantized_there(layers, quant, monkeypatch):  # noqa: F811
+    # What the CPU executor computes with: its quantized weights, dequantized (tandem.experts.quant).
+    cpu = CpuExpertExecutor(layers, quant=quant, kernel="torch", threads=1)
+    device_path = DevicePrefill(cpu, torch.device("cpu"), min_tokens=16, ahead=2)
+    moved, to = [], torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **kw: moved.append(t.dtype) or to(t, *a, **kw))
+    for layer in (3, 5):
+        hidden, ids, weights = batch(40, seed=layer)
+        got = device_path.forward_on_device(layer, hidden, ids, weights)
+        assert got is not None and got.dtype == hidden.dtype
+        assert rel_err(got, dequantized_reference(cpu, layer).forward(layer, hidden, ids, weights)) < 1e-5
+    # the stored codes were moved, not dequantized floats: int8 rows, or int4's packed bytes
+    assert (torch.int8 if quant == "int8" else torch.uint8) in moved
+    assert device_path.calls == 2
+
+
+def test_small_chunks_and_other_layers_stay_on_the_cpu(layers):  # noqa: F811
     hidden, ids, weights = batch(8)
     floats = DevicePrefill(CpuExpertExecutor(layers, kernel="torch", threads=1), torch.device("cpu"), min_tokens=9)
     assert floats.forward_on_device(3, hidden, ids, weights) is None  # below min_tokens
     assert floats.forward_on_device(4, *batch(20)) is None  # a layer with no routed experts here
-    int8 = DevicePrefill(CpuExpertExecutor(layers, quant="int8", kernel="torch", threads=1), torch.device("cpu"),
-                         min_tokens=1)
-    assert int8.weights == {} and int8.forward_on_device(3, hidden, ids, weights) is None
     # what declines goes to the CPU executor, unchanged
     torch.testing.assert_close(floats.forward(3, hidden, ids, weights), floats.inner.forward(3, hidden, ids, weights))
 

@@ -10,12 +10,15 @@ model whose weights stay in host memory.
 `DevicePrefill` wraps the in-process CPU executor. Chunks of at least `min_tokens` tokens run
 here: the routed experts' weights are copied on a side stream, a few experts ahead of the one
 being computed (at most `ahead` in flight, so GPU memory holds a few experts, not the layer),
-and each expert's tokens are one GEMM pair. With `pin` the weights are page-locked first
-(cudaHostRegister, as vLLM pins the weights it offloads to the CPU): the copies then run at full
-speed without staging, 7.75x the prefill from pageable memory on an H100 (benchmarks/RESULTS.md,
-round sixteen), and the pages stay in RAM. The engine asks for it on CUDA (EngineConfig's
-page_lock_experts); where registration fails the copies come from pageable memory.
-Quantized experts (int8, int4) stay on the CPU: only float weights are streamed.
+and each expert's tokens are one GEMM pair. Quantized experts (int8, int4, and the GGUF formats
+read as them) are copied as stored, half or a quarter of the bytes, and dequantized on the GPU
+to the activations' dtype, as the CPU executor dequantizes them for its own prefill GEMMs.
+
+With `pin` the weights are page-locked first (cudaHostRegister, as vLLM pins the weights it
+offloads to the CPU): the copies then run at full speed without staging, 7.75x and 8.7x the
+prefill from pageable memory on an H100 (benchmarks/RESULTS.md, round sixteen), and the pages
+stay in RAM. The engine asks for it on CUDA (EngineConfig's page_lock_experts); tensors too small
+to lock safely (scales) and any whose registration fails are copied from pageable memory.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from tandem.experts.quant import Int4Weight, Int8Weight, dequantize
 from tandem.experts.routing import group_by_expert
 from tandem.experts.torch_kernels import moe_with_linears
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MIN_TOKENS = 128
+
+Stored = torch.Tensor | Int8Weight | Int4Weight  # [E, N, K] as the CPU executor stores it
 
 
 class DevicePrefill:
@@ -42,12 +48,18 @@ class DevicePrefill:
             raise ValueError(f"min_tokens and ahead must be at least 1, got {min_tokens} and {ahead}")
         self.inner, self.device = inner, torch.device(device)
         self.min_tokens, self.ahead = min_tokens, ahead
-        # layer -> (gate_up [E, 2I, H], down [E, H, I]) in host memory, float weights only
-        self.weights = {i: (p.gate_up, p.down) for i, p in inner.layers.items()
-                        if isinstance(p.gate_up, torch.Tensor) and isinstance(p.down, torch.Tensor)}
-        self.pinned = pin and self.device.type == "cuda" and page_lock(self.weights.values())
+        # layer -> (gate_up [E, 2I, H], down [E, H, I]) in host memory, as the executor stores them
+        self.weights = {i: (p.gate_up, p.down) for i, p in inner.layers.items()}
+        self.locked: list[torch.Tensor] = []
+        if pin and self.device.type == "cuda":
+            self.lock()
         self._copies = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.calls = 0  # chunks computed here
+
+    @property
+    def pinned(self) -> bool:
+        """The weights are page-locked (all but tensors too small to lock: scales)."""
+        return bool(self.locked)
 
     @property
     def layers(self):
@@ -56,14 +68,18 @@ class DevicePrefill:
     def forward(self, layer, hidden, topk_ids, topk_weights):
         return self.inner.forward(layer, hidden, topk_ids, topk_weights)
 
+    def lock(self) -> None:
+        """Page-lock the weights (see page_lock); `pinned` says whether it took."""
+        self.unlock()
+        self.locked = page_lock([t for pair in self.weights.values() for w in pair for t in _parts(w)])
+
     def unlock(self) -> None:
         """Leave the weights pageable again (page-locked memory must be unlocked before it is freed)."""
-        if getattr(self, "pinned", False):
+        locked, self.locked = getattr(self, "locked", []), []
+        if locked:
             cudart = torch.cuda.cudart()
-            for tensors in self.weights.values():
-                for t in tensors:
-                    cudart.cudaHostUnregister(t.data_ptr())
-            self.pinned = False
+            for t in locked:
+                cudart.cudaHostUnregister(t.data_ptr())
 
     def __del__(self):
         self.unlock()
@@ -71,11 +87,11 @@ class DevicePrefill:
     def forward_on_device(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor | None:
         """x [T, H], ids/weights [T, k] on the compute device -> [T, H] there, or None to decline
-        (a small chunk, or a layer whose experts are quantized)."""
+        (a chunk under min_tokens, or a layer without routed experts)."""
         if x.shape[0] < self.min_tokens or layer not in self.weights:
             return None
         gate_up, down = self.weights[layer]
-        groups = group_by_expert(ids, weights, gate_up.shape[0])
+        groups = group_by_expert(ids, weights, _num_experts(gate_up))
         staged = _Staged(self, gate_up, down, [e for e, n in enumerate(groups.counts) if n])
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         moe_with_linears(x, groups, staged.gate_up, staged.down, out)
@@ -87,10 +103,10 @@ class _Staged:
     """One call's routed experts, copied to the device `ahead` experts in front of the one that
     `moe_with_linears` computes (which takes them in expert order): its two products."""
 
-    def __init__(self, owner: DevicePrefill, gate_up: torch.Tensor, down: torch.Tensor, routed: list[int]):
+    def __init__(self, owner: DevicePrefill, gate_up: Stored, down: Stored, routed: list[int]):
         self.owner, self.gate_up_w, self.down_w, self.routed = owner, gate_up, down, routed
         self.copies = owner._copies  # None on the CPU: the copies are plain .to() calls
-        self.staged: dict[int, tuple] = {}
+        self.staged: dict[int, tuple] = {}  # expert -> (gate_up's parts, down's parts, ready event)
         self.next = 0  # index in `routed` of the next expert to copy
         for _ in range(min(owner.ahead, len(routed))):
             self._copy_next(after=None)
@@ -99,11 +115,11 @@ class _Staged:
         gu, _, ready = self.staged[expert]
         if ready is not None:
             torch.cuda.current_stream(x.device).wait_event(ready)
-        return F.linear(x, gu)  # [n, 2I]
+        return F.linear(x, _expert(self.gate_up_w, gu, x.dtype))  # [n, 2I]
 
     def down(self, expert: int, act: torch.Tensor) -> torch.Tensor:
         _, dn, _ = self.staged.pop(expert)
-        y = F.linear(act, dn)  # [n, H]
+        y = F.linear(act, _expert(self.down_w, dn, act.dtype))  # [n, H]
         done = None
         if self.copies is not None:
             done = torch.cuda.Event()
@@ -113,25 +129,49 @@ class _Staged:
         return y
 
     def _copy_next(self, after) -> None:
-        """Copy the next routed expert's weights; on CUDA on the side stream, after event `after`
-        (None: after the compute stream's work so far)."""
+        """Copy the next routed expert's weights as stored; on CUDA on the side stream, after event
+        `after` (None: after the compute stream's work so far)."""
         expert = self.routed[self.next]
         self.next += 1
         device = self.owner.device
         if self.copies is None:
-            self.staged[expert] = (self.gate_up_w[expert].to(device), self.down_w[expert].to(device), None)
+            self.staged[expert] = (*(tuple(t[expert].to(device) for t in _parts(w))
+                                     for w in (self.gate_up_w, self.down_w)), None)
             return
         compute = torch.cuda.current_stream(device)
         self.copies.wait_stream(compute) if after is None else self.copies.wait_event(after)
         with torch.cuda.stream(self.copies):
-            gu = self.gate_up_w[expert].to(device, non_blocking=self.owner.pinned)
-            dn = self.down_w[expert].to(device, non_blocking=self.owner.pinned)
+            # asynchronous from page-locked memory; from pageable memory (scales) the copy is staged
+            gu, dn = (tuple(t[expert].to(device, non_blocking=True) for t in _parts(w))
+                      for w in (self.gate_up_w, self.down_w))
             ready = torch.cuda.Event()
             ready.record(self.copies)
         # Allocated on the copy stream, used and freed on the compute one.
-        gu.record_stream(compute)
-        dn.record_stream(compute)
+        for t in (*gu, *dn):
+            t.record_stream(compute)
         self.staged[expert] = (gu, dn, ready)
+
+
+def _parts(w: Stored) -> tuple[torch.Tensor, ...]:
+    """The tensors a stored weight is made of, each indexed by expert first."""
+    if isinstance(w, Int8Weight):
+        return w.q, w.scale
+    if isinstance(w, Int4Weight):
+        return w.packed, w.scale, w.min
+    return (w,)
+
+
+def _num_experts(w: Stored) -> int:
+    return _parts(w)[0].shape[0]
+
+
+def _expert(w: Stored, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """One expert's [N, K] weights in `dtype`, from its parts as copied (quant.dequantize's numbers)."""
+    if isinstance(w, Int8Weight):
+        return dequantize(Int8Weight(*(t[None] for t in parts)))[0].to(dtype)
+    if isinstance(w, Int4Weight):
+        return dequantize(Int4Weight(*(t[None] for t in parts), group_size=w.group_size))[0].to(dtype)
+    return parts[0].to(dtype)
 
 
 # Allocations this large are mmapped by the C allocator, so no two share a page (registering a
@@ -139,24 +179,22 @@ class _Staged:
 PAGE_LOCK_MIN_BYTES = 64 << 20
 
 
-def page_lock(layers) -> bool:
-    """cudaHostRegister every tensor: copies from them then run without a staging buffer. All or
-    none: any tensor under PAGE_LOCK_MIN_BYTES (which may share a page) leaves them all pageable."""
+def page_lock(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """cudaHostRegister the contiguous tensors of at least PAGE_LOCK_MIN_BYTES: copies from them
+    then run without a staging buffer. Smaller ones (which may share a page) stay pageable. Returns
+    the tensors locked: all of those, or none when a registration fails."""
     cudart = torch.cuda.cudart()
-    tensors = [t for pair in layers for t in pair]
-    if not tensors or any(t.numel() * t.element_size() < PAGE_LOCK_MIN_BYTES or not t.is_contiguous()
-                          for t in tensors):
-        return False
-    for i, t in enumerate(tensors):
+    large = [t for t in tensors if t.is_contiguous() and t.numel() * t.element_size() >= PAGE_LOCK_MIN_BYTES]
+    for i, t in enumerate(large):
         status = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if int(status) != 0:
-            for done in tensors[:i]:
+            for done in large[:i]:
                 cudart.cudaHostUnregister(done.data_ptr())
             _drop_pending_error()
             log.warning("could not page-lock the expert weights (cudaError %s: %s): prefill copies them "
                         "from pageable memory", int(status), cudart.cudaGetErrorString(status))
-            return False
-    return True
+            return []
+    return large
 
 
 def _drop_pending_error() -> None:
