@@ -2,7 +2,8 @@
 `llama-server` with as many parallel slots, both over their real network APIs.
 
     python benchmarks/serve_compare.py [--checkpoint DIR] [--precisions int8] [--streams 1,4,8]
-                                       [--prompt-len 32] [--gen-len 64] [--threads 2] [--json out.json]
+                                       [--prompt-len 32] [--gen-len 64] [--threads 2]
+                                       [--num-scheduler-steps 1] [--json out.json]
 
 Same checkpoint (benchmarks/make_checkpoint.py's Mixtral, GGUF made as compare.py makes it), same
 token-id prompts (random, distinct per stream and run, so neither server's prefix cache hits),
@@ -141,7 +142,8 @@ def start_tandem(args, precision: str, max_streams: int) -> tuple[subprocess.Pop
     address = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(args.checkpoint), "--listen", address,
            "--metrics-port", "0", "--device", "cpu", "--threads", str(args.threads), "--expert-quant", experts,
-           "--dense-quant", dense, "--max-num-seqs", str(max(max_streams, 1))]
+           "--dense-quant", dense, "--max-num-seqs", str(max(max_streams, 1)),
+           "--num-scheduler-steps", str(args.num_scheduler_steps)]
     if precision in TANDEM_DTYPES:
         cmd += ["--dtype", TANDEM_DTYPES[precision]]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -212,6 +214,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, help="tandem serve's (multi-step decode)")
     ap.add_argument("--skip", default="", help="comma-separated: tandem, llama")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -234,6 +237,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f}; {args.threads} threads per server; "
           f"llama.cpp: {llama_skip or binary}", flush=True)
     report = {"checkpoint": str(args.checkpoint), "threads": args.threads, "prompt_len": args.prompt_len,
+              "num_scheduler_steps": args.num_scheduler_steps,
               "gen_len": args.gen_len, "load_average_before": os.getloadavg(), "rows": []}
     for precision in precisions:
         row = {"precision": precision}
