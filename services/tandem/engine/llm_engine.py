@@ -55,7 +55,7 @@ class EngineConfig:
     # the weights streamed from host memory (tandem.experts.device_prefill); 0: always the CPU.
     device_prefill_tokens: int = DEVICE_PREFILL_TOKENS
     # ... with the experts' host memory page-locked (cudaHostRegister), so those copies run at full
-    # speed: 7.75x the prefill from pageable memory on an H100 (benchmarks/RESULTS.md, round
+    # speed: 7.75-8.7x the prefill from pageable memory on an H100 (benchmarks/RESULTS.md, round
     # sixteen). The pages then stay in RAM; False leaves them pageable.
     page_lock_experts: bool = True
     # Decode tokens per engine step while only decodes run (vLLM's multi-step scheduling; see
