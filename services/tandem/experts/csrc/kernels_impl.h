@@ -62,13 +62,19 @@ struct V {
   // superblock order (the 4 blocks' first halves, then their second halves), so the low and
   // high nibbles of one 64-byte load meet their activations in two loads.
   static constexpr int kSuper = 4;
-  static inline __m512i dot_i4_q8(const uint8_t* w, const int8_t* x) {
+  struct I4 {
+    __m512i lo, hi;  // a superblock's low and high nibbles, as bytes 0..15
+  };
+  static inline I4 unpack_i4(const uint8_t* w) {
     const __m512i raw = _mm512_loadu_si512(w);
     const __m512i m = _mm512_set1_epi8(0x0F);
-    const __m512i lo = _mm512_and_si512(raw, m), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m);
-    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
-    return _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(x + 64));  // lanes 4i..4i+3: block i
+    return {_mm512_and_si512(raw, m), _mm512_and_si512(_mm512_srli_epi16(raw, 4), m)};
   }
+  static inline __m512i dot_i4(const I4& u, const int8_t* x) {
+    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.lo, _mm512_loadu_si512(x));
+    return _mm512_dpbusd_epi32(acc, u.hi, _mm512_loadu_si512(x + 64));  // lanes 4i..4i+3: block i
+  }
+  static inline __m512i dot_i4_q8(const uint8_t* w, const int8_t* x) { return dot_i4(unpack_i4(w), x); }
   static inline T cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
   // 4 per-block scales -> each repeated over its block's 4 lanes
   static inline T expand_blocks(__m128 s) {
@@ -145,17 +151,23 @@ struct V {
   }
   // int4 x int8, a superblock of 2 blocks (64 weights, 32 bytes); see the AVX-512 version.
   static constexpr int kSuper = 2;
-  static inline __m256i dot_i4_q8(const uint8_t* w, const int8_t* x) {
+  struct I4 {
+    __m256i lo, hi;  // a superblock's low and high nibbles, as bytes 0..15
+  };
+  static inline I4 unpack_i4(const uint8_t* w) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    const __m256i m = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    return {_mm256_and_si256(raw, m), _mm256_and_si256(_mm256_srli_epi16(raw, 4), m)};
+  }
+  static inline __m256i dot_i4(const I4& u, const int8_t* x) {
     // u8 x s8 pairs, and the sum of a low pair and the high pair of the same block, fit int16
     // (2 * 2 * 15 * 127 < 32767): the halves are added before one widening, not after two (on
     // cores that run 256-bit integer multiplies at half rate, each one saved is 1/4 of the work).
-    const __m256i a = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-    const __m256i b = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
-    return _mm256_madd_epi16(_mm256_add_epi16(a, b), ones);  // lanes 4i..4i+3: block i
+    const __m256i a = _mm256_maddubs_epi16(u.lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    const __m256i b = _mm256_maddubs_epi16(u.hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+    return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));  // lanes 4i..4i+3: block i
   }
+  static inline __m256i dot_i4_q8(const uint8_t* w, const int8_t* x) { return dot_i4(unpack_i4(w), x); }
   static inline T cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
   static inline T expand_blocks(__m128 s) {
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
@@ -589,17 +601,16 @@ static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, co
   for (int r = 0; r < 4; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = V::zero();
   for (int64_t sb = 0; sb < supers; ++sb) {
-    __m128 sv[4];
+    __m128 d[NT];
+    for (int t = 0; t < NT; ++t) d[t] = _mm_loadu_ps(a[t].d + sb * kSuper);  // reads 4 floats; see Act
+    // Row by row, each row's nibbles unpacked once for all NT tokens (not once per token).
     for (int r = 0; r < 4; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + sb * kSuper * 16) + kPrefetch, _MM_HINT_T0);
-      sv[r] = superblock_scales(scale[r], sb, shift);
-    }
-    for (int t = 0; t < NT; ++t) {
-      const __m128 d = _mm_loadu_ps(a[t].d + sb * kSuper);  // reads 4 floats; see Act
-      const int8_t* q = a[t].q + sb * kSuper * 32;
-      for (int r = 0; r < 4; ++r) {
-        const T dot = V::cvt(V::dot_i4_q8(w[r] + sb * kSuper * 16, q));
-        acc[r][t] = V::fma(dot, V::expand_blocks(_mm_mul_ps(sv[r], d)), acc[r][t]);
+      const __m128 sv = superblock_scales(scale[r], sb, shift);
+      const V::I4 u = V::unpack_i4(w[r] + sb * kSuper * 16);
+      for (int t = 0; t < NT; ++t) {
+        const T dot = V::cvt(V::dot_i4(u, a[t].q + sb * kSuper * 32));
+        acc[r][t] = V::fma(dot, V::expand_blocks(_mm_mul_ps(sv, d[t])), acc[r][t]);
       }
     }
   }
