@@ -98,10 +98,16 @@ struct V {
   // int8 x int8, 64 weights: w + 128 (a sign-bit flip) is unsigned, so one vpdpbusd does it;
   // the 128 * sum(x) this adds is taken off once per row (Act::c).
   static constexpr int kI8 = 64;
-  static inline __m512i dot_i8_q8(const int8_t* w, const int8_t* x) {
-    const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w), _mm512_set1_epi8(static_cast<char>(0x80)));
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512(x));
+  struct I8 {
+    __m512i wu;  // w + 128
+  };
+  static inline I8 unpack_i8(const int8_t* w) {
+    return {_mm512_xor_si512(_mm512_loadu_si512(w), _mm512_set1_epi8(static_cast<char>(0x80)))};
   }
+  static inline __m512i dot_i8(const I8& u, const int8_t* x) {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.wu, _mm512_loadu_si512(x));
+  }
+  static inline __m512i dot_i8_q8(const int8_t* w, const int8_t* x) { return dot_i8(unpack_i8(w), x); }
 };
 #else
 struct V {
@@ -196,12 +202,19 @@ struct V {
   }
   // int8 x int8, 32 weights: |w| times x with w's sign (maddubs needs one unsigned side).
   static constexpr int kI8 = 32;
-  static inline __m256i dot_i8_q8(const int8_t* w, const int8_t* x) {
+  struct I8 {
+    __m256i w, abs;  // w, and |w| (unsigned for maddubs)
+  };
+  static inline I8 unpack_i8(const int8_t* w) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    return {wv, _mm256_sign_epi8(wv, wv)};
+  }
+  static inline __m256i dot_i8(const I8& u, const int8_t* x) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+    const __m256i p = _mm256_maddubs_epi16(u.abs, _mm256_sign_epi8(xv, u.w));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
   }
+  static inline __m256i dot_i8_q8(const int8_t* w, const int8_t* x) { return dot_i8(unpack_i8(w), x); }
 };
 #endif
 
@@ -576,10 +589,11 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
   for (int64_t i = 0; i < steps; ++i) {
     for (int r = 0; r < 4; ++r)
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i * V::kI8) + kPrefetch, _MM_HINT_T0);
-    for (int t = 0; t < NT; ++t) {
-      const T de = V::load(a[t].dexp + i * W);
-      const int8_t* q = a[t].q + i * V::kI8;
-      for (int r = 0; r < 4; ++r) acc[r][t] = V::fma(V::cvt(V::dot_i8_q8(w[r] + i * V::kI8, q)), de, acc[r][t]);
+    // Row by row, each row's |w| (or w + 128) made once for all NT tokens (not once per token).
+    for (int r = 0; r < 4; ++r) {
+      const V::I8 u = V::unpack_i8(w[r] + i * V::kI8);
+      for (int t = 0; t < NT; ++t)
+        acc[r][t] = V::fma(V::cvt(V::dot_i8(u, a[t].q + i * V::kI8)), V::load(a[t].dexp + i * W), acc[r][t]);
     }
   }
   for (int t = 0; t < NT; ++t) {
