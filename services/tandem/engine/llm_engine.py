@@ -26,6 +26,7 @@ from tandem.experts.device_prefill import DevicePrefill
 from tandem.kv.block_manager import KVBlockManager
 from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
 from tandem.model.loader import load_model
+from tandem.model.moe import wrap_executors
 
 GiB = 1 << 30
 log = logging.getLogger(__name__)
@@ -320,15 +321,9 @@ class LLMEngine:
 
 def stream_prefill_experts(model, device: torch.device, min_tokens: int, pin: bool) -> None:
     """Give every MoE block's in-process CPU executor a GPU path for large prefill chunks, its
-    weights page-locked if `pin`."""
-    wrapped: dict[int, DevicePrefill] = {}
-    for module in model.modules():
-        executor = getattr(module, "executor", None)
-        if isinstance(executor, CpuExpertExecutor):
-            # one wrapper per executor (the layers share one): each would page-lock the same memory
-            if id(executor) not in wrapped:
-                wrapped[id(executor)] = DevicePrefill(executor, device, min_tokens, pin=pin)
-            module.executor = wrapped[id(executor)]
+    weights page-locked if `pin` (once: a wrapper per layer would page-lock the same memory again)."""
+    wrap_executors(model, lambda executor: DevicePrefill(executor, device, min_tokens, pin=pin),
+                   lambda executor: isinstance(executor, CpuExpertExecutor))
 
 
 class _StreamedRun:

@@ -11,6 +11,20 @@ from tandem.model.config import ModelConfig
 from tandem.model.layers import DenseMLP
 
 
+def wrap_executors(model: nn.Module, wrap, select=lambda executor: True) -> None:
+    """Replace each MoE block's expert executor for which select(executor) holds by wrap(executor),
+    called once per executor: the blocks that shared one (the loader hands every block the same
+    in-process executor) share its wrapper."""
+    wrapped = {}
+    for module in model.modules():
+        executor = getattr(module, "executor", None)
+        if executor is None or not hasattr(executor, "forward") or not select(executor):
+            continue
+        if id(executor) not in wrapped:
+            wrapped[id(executor)] = wrap(executor)
+        module.executor = wrapped[id(executor)]
+
+
 def route_softmax(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts, top-k, optional renormalisation. logits [T, E] -> weights [T, k] f32, ids [T, k]."""
     probs = F.softmax(logits.float(), dim=-1)  # [T, E]

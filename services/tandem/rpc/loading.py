@@ -13,6 +13,7 @@ from tandem.experts.base import ExpertsUnavailable
 from tandem.metrics import ServingMetrics
 from tandem.model.config import ModelError, load_config
 from tandem.model.loader import build_expert_executor, resolve_dtype
+from tandem.model.moe import wrap_executors
 from tandem.rpc.experts_client import GrpcExpertExecutor, RemoteCpuAttention
 from tandem.rpc.gen import experts_pb2
 
@@ -71,13 +72,7 @@ def load_embedded(opts, metrics: ServingMetrics) -> LLMEngine:
 def _time_expert_calls(model: torch.nn.Module, metrics: ServingMetrics) -> None:
     # The loader builds the in-process executor and hands it to every MoE block; wrapping it
     # there times each call without loading the expert weights a second time.
-    wrapped = {}
-    for module in model.modules():
-        executor = getattr(module, "executor", None)
-        if executor is not None and hasattr(executor, "forward"):
-            key = id(executor)
-            wrapped.setdefault(key, TimedExpertExecutor(executor, metrics.expert_call_latency))
-            module.executor = wrapped[key]
+    wrap_executors(model, lambda executor: TimedExpertExecutor(executor, metrics.expert_call_latency))
 
 
 def connect_experts(opts, metrics: ServingMetrics) -> tuple[GrpcExpertExecutor, bool]:
