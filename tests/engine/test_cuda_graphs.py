@@ -38,9 +38,15 @@ def test_no_graphs_off_cuda(demo_model_dir):
     assert cuda_graph.unsupported_reason(engine.model, engine.cache) == "the compute device is not CUDA"
 
 
-def cuda_engine(model_dir, *, enforce_eager: bool, dtype="float32", **config):
+def cuda_engine(model_dir, *, enforce_eager: bool, dtype="float32", expert_quant="none", **config):
     config = EngineConfig(enforce_eager=enforce_eager, num_device_blocks=160, max_num_seqs=8, **config)
-    return LLMEngine.from_pretrained(model_dir, device="cuda", dtype=dtype, config=config)
+    return LLMEngine.from_pretrained(model_dir, device="cuda", dtype=dtype, config=config, expert_quant=expert_quant)
+
+
+def prefill_wrapper(engine):
+    """The GPU prefill path (tandem.experts.device_prefill) that every MoE layer's executor is: one."""
+    [wrapper] = {id(layer.mlp.executor): layer.mlp.executor for layer in engine.model.model.layers}.values()
+    return wrapper
 
 
 def greedy(engine, prompts, n=NEW_TOKENS):
@@ -71,8 +77,7 @@ def test_prefill_experts_streamed_to_the_gpu_give_transformers_greedy_tokens(dem
     ref_tokens, ref_logits = hf_greedy(model_dir, prompt, NEW_TOKENS)
     engine = cuda_engine(model_dir, enforce_eager=False, device_prefill_tokens=8)
     [tokens], [logits] = greedy(engine, [prompt])
-    streamed = {id(layer.mlp.executor): layer.mlp.executor for layer in engine.model.model.layers}
-    assert [e.calls for e in streamed.values()] == [len(engine.model.model.layers)]  # one per layer, the prefill
+    assert prefill_wrapper(engine).calls == len(engine.model.model.layers)  # one per layer, the prefill
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() <= 1e-3
 
@@ -154,7 +159,7 @@ def test_page_locked_prefill_experts_give_transformers_greedy_tokens(demo_model_
     prompt = prompt_for(4, 40)
     ref_tokens, ref_logits = hf_greedy(model_dir, prompt, NEW_TOKENS)
     engine = cuda_engine(model_dir, enforce_eager=False, device_prefill_tokens=8)
-    [streamed] = {id(layer.mlp.executor): layer.mlp.executor for layer in engine.model.model.layers}.values()
+    streamed = prefill_wrapper(engine)
     assert streamed.pinned
     [tokens], [logits] = greedy(engine, [prompt])
     assert streamed.calls == len(engine.model.model.layers)  # the prefill's experts ran on the GPU
@@ -166,7 +171,7 @@ def test_page_locked_prefill_experts_give_transformers_greedy_tokens(demo_model_
     streamed.lock()
     assert streamed.pinned  # unlocked again when the engine goes
     unlocked = cuda_engine(model_dir, enforce_eager=False, device_prefill_tokens=8, page_lock_experts=False)
-    assert not unlocked.model.model.layers[0].mlp.executor.pinned
+    assert not prefill_wrapper(unlocked).pinned
 
 
 @cuda
@@ -177,15 +182,10 @@ def test_quantized_prefill_experts_on_the_gpu_track_the_cpu(quant, demo_model_di
     model_dir = demo_model_dir("mixtral", initializer_range=0.2)
     prompt = prompt_for(5, 400)
 
-    def run(device_prefill_tokens):
-        config = EngineConfig(num_device_blocks=160, max_num_seqs=8, device_prefill_tokens=device_prefill_tokens)
-        engine = LLMEngine.from_pretrained(model_dir, device="cuda", dtype="float32", config=config,
-                                           expert_quant=quant)
-        return engine, greedy(engine, [prompt])
-
-    gpu, ([tokens], [logits]) = run(8)
-    cpu, ([ref_tokens], [ref_logits]) = run(0)
-    [streamed] = {id(layer.mlp.executor): layer.mlp.executor for layer in gpu.model.model.layers}.values()
-    assert streamed.calls == len(gpu.model.model.layers)  # the prefill's experts ran on the GPU
+    gpu = cuda_engine(model_dir, enforce_eager=False, expert_quant=quant, device_prefill_tokens=8)
+    [tokens], [logits] = greedy(gpu, [prompt])
+    [ref_tokens], [ref_logits] = greedy(cuda_engine(model_dir, enforce_eager=False, expert_quant=quant,
+                                                    device_prefill_tokens=0), [prompt])
+    assert prefill_wrapper(gpu).calls == len(gpu.model.model.layers)  # the prefill's experts ran on the GPU
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() <= 1e-3
