@@ -8,7 +8,12 @@ Change a value here and both sides change together.
 GRPC_PORT = 50051
 METRICS_PORT = 9400
 EXPERTS_SOCKET = "unix:/run/tandem/experts.sock"
-KV_SHM_PATH = "/dev/shm/tandem/kv"  # mount point of the CPU KV tier (emptyDir, medium Memory)
+# Shared-memory files both containers of a pod map, each in an emptyDir of medium Memory mounted
+# at a directory of its own; the flags name a path prefix inside it (the files add suffixes).
+KV_SHM_DIR = "/dev/shm/tandem/kv"  # the CPU KV tier's volume
+KV_SHM_PATH = f"{KV_SHM_DIR}/tier"  # --kv-shm: tier.k, tier.v and tier.layout.json
+EXPERTS_SHM_DIR = "/dev/shm/tandem/experts"  # the routed experts' weights' volume
+EXPERTS_SHM_PATH = f"{EXPERTS_SHM_DIR}/weights"  # --experts-shm: weights.bin and weights.json
 
 # gRPC service names (package tandem.v1) as the health service and reflection report them.
 INFERENCE_SERVICE = "tandem.v1.Inference"
@@ -44,6 +49,9 @@ SERVE_FLAGS = {
     "role": "--role",
     "experts": "--experts",
     "kv_shm": "--kv-shm",
+    # the experts role keeps its stored weights in this shared-memory file, which the attention
+    # role maps to prefill on the GPU (tandem.experts.shared_weights)
+    "experts_shm": "--experts-shm",
     "device": "--device",
     "dtype": "--dtype",
     "threads": "--threads",

@@ -195,8 +195,9 @@ async def test_experts_outage_is_unavailable_then_serving_resumes(serve_process,
     model = model_dir("mixtral")
     socket = f"unix:{tmp_path}/experts.sock"
 
-    def start_experts():
-        return serve_process("--model", str(model), "--role", "experts", "--listen", socket, "--metrics-port", "0")
+    def start_experts():  # its weights in a shared-memory file, which a restart maps instead of loading
+        return serve_process("--model", str(model), "--role", "experts", "--listen", socket, "--metrics-port", "0",
+                             "--experts-shm", str(tmp_path / "shm" / "weights"))
 
     # The attention side first: loaded, but NOT_SERVING until the experts answer.
     attention = serve_process("--model", str(model), "--role", "attention", "--experts", socket, "--listen",
@@ -204,6 +205,7 @@ async def test_experts_outage_is_unavailable_then_serving_resumes(serve_process,
     assert "NOT_SERVING until the experts process answers" in attention.wait_for_line("model loaded")
     await check_unavailable(attention.address)
     experts = start_experts()
+    assert "weights shared at" in experts.wait_for_line("weights shared at|mapped from")
     await wait_health(attention.address, SERVING)
     expected = token_ids(await generate(attention.address, greedy(PROMPTS[0])))
 
@@ -212,10 +214,10 @@ async def test_experts_outage_is_unavailable_then_serving_resumes(serve_process,
         pending = inference_pb2_grpc.InferenceStub(channel).Generate(greedy(PROMPTS[0]))  # first step fails
         await wait_health(attention.address, NOT_SERVING, timeout_s=60)
         await check_unavailable(attention.address)
-        start_experts()
+        assert "mapped from" in start_experts().wait_for_line("weights shared at|mapped from")
         await wait_health(attention.address, SERVING)
         responses = [r async for r in pending]
-    assert token_ids(responses) == expected  # the pending request lost nothing
+    assert token_ids(responses) == expected  # the pending request lost nothing, on the mapped weights
     assert responses[-1].finish_reason == "length"
     assert token_ids(await generate(attention.address, greedy(PROMPTS[0]))) == expected
     metrics = scrape(attention.metrics_port)

@@ -139,9 +139,7 @@ class LLMEngine:
                         expert_executor: ExpertExecutor | None = None, expert_threads: int | None = None,
                         expert_quant: str = "none", dense_quant: str = "none",
                         experts_gguf: str | Path | None = None) -> "LLMEngine":
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for, but no CUDA device is available")
+        device = compute_device(device)
         model, _ = load_model(model_dir, device=device, dtype=dtype, executor=expert_executor,
                               expert_threads=expert_threads, expert_quant=expert_quant, dense_quant=dense_quant,
                               experts_gguf=experts_gguf)
@@ -317,6 +315,14 @@ class LLMEngine:
                     done[out.request_id] = Completion(out.request_id, tokens, "".join(texts), out.finish_reason,
                                                       out.num_prompt_tokens, out.num_cached_tokens)
         return [done[rid] for rid in ids]
+
+
+def compute_device(device=None) -> torch.device:
+    """`device`, or CUDA when there is one and the CPU when not; ValueError for CUDA without one."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but no CUDA device is available")
+    return device
 
 
 def stream_prefill_experts(model, device: torch.device, min_tokens: int, pin: bool) -> None:

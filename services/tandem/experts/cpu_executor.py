@@ -105,6 +105,13 @@ class CpuExpertExecutor:
         """"native" or "torch": what decode-shaped batches actually run on."""
         return "torch" if self.native is None else "native"
 
+    def replace_weights(self, layer: int, gate_up: Stored, down: Stored) -> None:
+        """Serve `layer` from these stored weights, of the same format and values as its own (a copy
+        in shared memory: tandem.experts.shared_weights); its own are freed unless referred to elsewhere."""
+        p = self.layers[layer]
+        self.layers[layer] = prepare_layer(ExpertWeights(gate_up, down), self.quant, p.group_size,
+                                           torch_decode=self.native is None)
+
     def forward(self, layer, hidden, topk_ids, topk_weights):
         """hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32 -> [T, H] in hidden's dtype."""
         p = self.layers.get(layer)

@@ -28,7 +28,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tandem.experts.quant import Int4Weight, Int8Weight, dequantize
+from tandem.experts.quant import Int4Weight, Int8Weight, Stored, dequantize, stored_parts
 from tandem.experts.routing import group_by_expert
 from tandem.experts.torch_kernels import moe_with_linears
 
@@ -36,20 +36,25 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MIN_TOKENS = 128
 
-Stored = torch.Tensor | Int8Weight | Int4Weight  # [E, N, K] as the CPU executor stores it
 
 
 class DevicePrefill:
     """An expert executor: `forward` is the CPU executor's; `forward_on_device` takes large chunks."""
 
     def __init__(self, inner, device: torch.device, min_tokens: int = DEFAULT_MIN_TOKENS, ahead: int = 4,
-                 pin: bool = False):
+                 pin: bool = False, *, weights: dict[int, tuple[Stored, Stored]] | None = None,
+                 backing: list[torch.Tensor] | None = None):
+        """`weights`: layer -> (gate_up, down) in host memory, by default `inner.layers`' (the
+        attention process passes those it maps from the experts process, whose client is `inner`);
+        `backing`: whole mappings the weights are views of, page-locked whole instead of tensor by
+        tensor (tandem.experts.shared_weights)."""
         if min_tokens < 1 or ahead < 1:
             raise ValueError(f"min_tokens and ahead must be at least 1, got {min_tokens} and {ahead}")
         self.inner, self.device = inner, torch.device(device)
         self.min_tokens, self.ahead = min_tokens, ahead
         # layer -> (gate_up [E, 2I, H], down [E, H, I]) in host memory, as the executor stores them
-        self.weights = {i: (p.gate_up, p.down) for i, p in inner.layers.items()}
+        self.weights = weights if weights is not None else {i: (p.gate_up, p.down) for i, p in inner.layers.items()}
+        self.backing = backing
         self.locked: list[torch.Tensor] = []
         if pin and self.device.type == "cuda":
             self.lock()
@@ -71,7 +76,10 @@ class DevicePrefill:
     def lock(self) -> None:
         """Page-lock the weights (see page_lock); `pinned` says whether it took."""
         self.unlock()
-        self.locked = page_lock([t for pair in self.weights.values() for w in pair for t in _parts(w)])
+        if self.backing is not None:  # mappings of their own: no page is shared with anything else
+            self.locked = page_lock(self.backing, min_bytes=1)
+        else:
+            self.locked = page_lock([t for pair in self.weights.values() for w in pair for t in stored_parts(w)])
 
     def unlock(self) -> None:
         """Leave the weights pageable again (page-locked memory must be unlocked before it is freed)."""
@@ -135,14 +143,14 @@ class _Staged:
         self.next += 1
         device = self.owner.device
         if self.copies is None:
-            self.staged[expert] = (*(tuple(t[expert].to(device) for t in _parts(w))
+            self.staged[expert] = (*(tuple(t[expert].to(device) for t in stored_parts(w))
                                      for w in (self.gate_up_w, self.down_w)), None)
             return
         compute = torch.cuda.current_stream(device)
         self.copies.wait_stream(compute) if after is None else self.copies.wait_event(after)
         with torch.cuda.stream(self.copies):
             # asynchronous from page-locked memory; from pageable memory (scales) the copy is staged
-            gu, dn = (tuple(t[expert].to(device, non_blocking=True) for t in _parts(w))
+            gu, dn = (tuple(t[expert].to(device, non_blocking=True) for t in stored_parts(w))
                       for w in (self.gate_up_w, self.down_w))
             ready = torch.cuda.Event()
             ready.record(self.copies)
@@ -152,17 +160,8 @@ class _Staged:
         self.staged[expert] = (gu, dn, ready)
 
 
-def _parts(w: Stored) -> tuple[torch.Tensor, ...]:
-    """The tensors a stored weight is made of, each indexed by expert first."""
-    if isinstance(w, Int8Weight):
-        return w.q, w.scale
-    if isinstance(w, Int4Weight):
-        return w.packed, w.scale, w.min
-    return (w,)
-
-
 def _num_experts(w: Stored) -> int:
-    return _parts(w)[0].shape[0]
+    return stored_parts(w)[0].shape[0]
 
 
 def _expert(w: Stored, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -179,12 +178,12 @@ def _expert(w: Stored, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> t
 PAGE_LOCK_MIN_BYTES = 64 << 20
 
 
-def page_lock(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """cudaHostRegister the contiguous tensors of at least PAGE_LOCK_MIN_BYTES: copies from them
-    then run without a staging buffer. Smaller ones (which may share a page) stay pageable. Returns
-    the tensors locked: all of those, or none when a registration fails."""
+def page_lock(tensors: list[torch.Tensor], min_bytes: int = PAGE_LOCK_MIN_BYTES) -> list[torch.Tensor]:
+    """cudaHostRegister the contiguous tensors of at least `min_bytes`: copies from them then run
+    without a staging buffer. Smaller ones (which may share a page) stay pageable. Returns the
+    tensors locked: all of those, or none when a registration fails."""
     cudart = torch.cuda.cudart()
-    large = [t for t in tensors if t.is_contiguous() and t.numel() * t.element_size() >= PAGE_LOCK_MIN_BYTES]
+    large = [t for t in tensors if t.is_contiguous() and t.numel() * t.element_size() >= min_bytes]
     for i, t in enumerate(large):
         status = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if int(status) != 0:

@@ -56,6 +56,40 @@ class Int4Weight:
         return self.packed.nbytes + self.scale.nbytes + self.min.nbytes
 
 
+Stored = torch.Tensor | Int8Weight | Int4Weight  # [E, N, K] as the CPU executor stores it
+FORMATS = ("float", "int8", "int4")  # a stored weight's format (stored_format)
+
+
+def stored_format(w: Stored) -> str:
+    if isinstance(w, Int8Weight):
+        return "int8"
+    if isinstance(w, Int4Weight):
+        return "int4"
+    return "float"
+
+
+def stored_parts(w: Stored) -> tuple[torch.Tensor, ...]:
+    """The tensors a stored weight is made of, each indexed by expert first: (w,), (q, scale) for
+    int8, (packed, scale, min) for int4."""
+    if isinstance(w, Int8Weight):
+        return w.q, w.scale
+    if isinstance(w, Int4Weight):
+        return w.packed, w.scale, w.min
+    return (w,)
+
+
+def from_parts(fmt: str, parts: tuple[torch.Tensor, ...], group_size: int = 0) -> Stored:
+    """The stored weight of format `fmt` made of `parts` (stored_parts' inverse)."""
+    if fmt == "int8":
+        return Int8Weight(*parts)
+    if fmt == "int4":
+        return Int4Weight(*parts, group_size=group_size)
+    if fmt == "float":
+        (w,) = parts
+        return w
+    raise ValueError(f"unknown stored weight format {fmt!r}; one of {FORMATS}")
+
+
 def check_quant(quant: str) -> None:
     if quant not in QUANTS:
         raise ValueError(f"unknown expert quantization {quant!r}; choose one of {QUANTS}")

@@ -11,10 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.experts.quant import Int4Weight, Int8Weight, dequantize, unpack_int4
+from tandem.experts.quant import Int4Weight, Int8Weight, Stored, dequantize, unpack_int4
 from tandem.experts.routing import ExpertGroups
-
-Stored = torch.Tensor | Int8Weight | Int4Weight
 
 
 class DenseLinear:

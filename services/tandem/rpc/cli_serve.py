@@ -32,6 +32,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(F["experts"],
                    help=f"address of the experts process, for --role attention (e.g. {contract.EXPERTS_SOCKET})")
     p.add_argument(F["kv_shm"], help="back the CPU KV tier with this shared-memory file (both roles of a split pair)")
+    p.add_argument(F["experts_shm"], metavar="PATH",
+                   help="--role experts: keep the routed experts' weights in the shared-memory file PATH.bin "
+                        "(manifest PATH.json), which a same-host attention process on a GPU maps to run large "
+                        "prefill chunks' experts there; a restart whose model, dtype and quantization match maps "
+                        "it instead of loading again")
     p.add_argument(F["device"], choices=["cpu", "cuda"], help="compute device (default: cuda when available)")
     p.add_argument(F["dtype"], choices=["float32", "bfloat16"], help="default: the checkpoint's")
     p.add_argument(F["threads"], type=int, help="CPU threads for the experts (default: all cores)")
@@ -89,7 +94,8 @@ def options_from_args(args):
         metrics_port = contract.EXPERTS_METRICS_PORT if args.role == "experts" else contract.METRICS_PORT
     return ServeOptions(
         model=args.model, listen=args.listen, metrics_port=metrics_port, role=args.role,
-        experts=args.experts, kv_shm=args.kv_shm, device=args.device, dtype=args.dtype, threads=args.threads,
+        experts=args.experts, kv_shm=args.kv_shm, experts_shm=args.experts_shm, device=args.device, dtype=args.dtype,
+        threads=args.threads,
         block_size=args.block_size, gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib,
         num_device_blocks=args.num_device_blocks, cpu_decode=args.cpu_decode,
         expert_quant=args.expert_quant, experts_gguf=args.experts_gguf, dense_quant=args.dense_quant,

@@ -43,6 +43,7 @@ class GrpcExpertExecutor:
         self.use_data_plane = data_plane
         self.spin_us = spin_us
         self.data_socket: str | None = None  # advertised by the experts process
+        self.last_info: experts_pb2.ExpertsInfo | None = None  # as `info()` last answered
         self._data: socket.socket | None = None
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = experts_pb2_grpc.ExpertsStub(self._channel)
@@ -132,6 +133,7 @@ class GrpcExpertExecutor:
         if info.data_socket != self.data_socket:
             self._close_data()
             self.data_socket = info.data_socket or None
+        self.last_info = info
         return info
 
     def cpu_attention(self, layer: int, query: torch.Tensor, block_tables: list[list[int]], seq_lens: list[int],

@@ -8,8 +8,10 @@ from dataclasses import fields
 
 import torch
 
-from tandem.engine.llm_engine import EngineConfig, LLMEngine
+from tandem.engine.llm_engine import EngineConfig, LLMEngine, compute_device
 from tandem.experts.base import ExpertsUnavailable
+from tandem.experts.factory import make_expert_executor
+from tandem.experts.shared_weights import SharedPrefill, SharedWeightsError, load_key, open_shared, share
 from tandem.metrics import ServingMetrics
 from tandem.model.config import ModelError, load_config
 from tandem.model.loader import build_expert_executor, resolve_dtype
@@ -102,9 +104,14 @@ def load_attention(opts, client: GrpcExpertExecutor) -> LLMEngine:
     """`--role attention`: everything but the routed-expert weights, which the experts process holds.
 
     With a shared CPU KV tier (--kv-shm), the experts process also computes the attention of the
-    sequences offloaded there, on its cores and next to that memory."""
+    sequences offloaded there, on its cores and next to that memory. On CUDA, large prefill chunks'
+    experts run on the GPU from the weights the experts process shares (its --experts-shm), when
+    it does (tandem.experts.shared_weights)."""
+    config, executor = engine_config(opts), client
+    if config.device_prefill_tokens and compute_device(opts.device).type == "cuda":
+        executor = SharedPrefill(client, config.device_prefill_tokens, config.page_lock_experts)
     engine = LLMEngine.from_pretrained(
-        opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts), expert_executor=client,
+        opts.model, device=opts.device, dtype=opts.dtype, config=config, expert_executor=executor,
         dense_quant=opts.dense_quant)
     if opts.kv_shm:
         engine.runner.cpu_attention = RemoteCpuAttention(client)
@@ -116,10 +123,33 @@ def load_experts(opts) -> tuple[object, experts_pb2.ExpertsInfo]:
     cfg = load_config(opts.model)
     if not cfg.is_moe:
         raise ModelError(f"{cfg.architecture} has no routed experts: serve it with --role all")
-    executor = build_expert_executor(opts.model, dtype=opts.dtype, threads=opts.threads, quant=opts.expert_quant,
-                                     experts_gguf=opts.experts_gguf)
     dtype = str(resolve_dtype(cfg, opts.dtype)).removeprefix("torch.")
+    shared = None
+    if opts.experts_shm:
+        executor, shared = load_shared_experts(opts, dtype)
+    else:
+        executor = build_expert_executor(opts.model, dtype=opts.dtype, threads=opts.threads,
+                                         quant=opts.expert_quant, experts_gguf=opts.experts_gguf)
     info = experts_pb2.ExpertsInfo(
         model=str(opts.model), moe_layers=list(cfg.moe_layers), num_experts=cfg.num_experts,
-        hidden_size=cfg.hidden_size, dtype=dtype, kv_shm_path=opts.kv_shm or "")
+        hidden_size=cfg.hidden_size, dtype=dtype, kv_shm_path=opts.kv_shm or "",
+        experts_shm_path=str(shared.path) if shared else "", experts_shm_generation=shared.generation if shared else "")
     return executor, info
+
+
+def load_shared_experts(opts, dtype: str):
+    """The experts' executor over weights in the shared-memory file `opts.experts_shm`, and the
+    mapping: those an earlier process published from the same inputs, or loaded and moved there."""
+    key = load_key(opts.model, dtype, opts.expert_quant, opts.experts_gguf)
+    try:
+        shared = open_shared(opts.experts_shm, key)
+    except SharedWeightsError as exc:
+        log.info("loading the routed experts (%s)", exc)
+        executor = build_expert_executor(opts.model, dtype=opts.dtype, threads=opts.threads,
+                                         quant=opts.expert_quant, experts_gguf=opts.experts_gguf)
+        if not hasattr(executor, "replace_weights"):
+            raise ModelError(f"--experts-shm needs the CPU expert executor, not {type(executor).__name__}") from None
+        return executor, share(executor, opts.experts_shm, key)
+    log.info("routed experts mapped from %s, as an earlier process published them (generation %s)",
+             shared.path, shared.generation)
+    return make_expert_executor(shared.layers, threads=opts.threads, quant=shared.quant), shared

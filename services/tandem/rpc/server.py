@@ -49,6 +49,7 @@ class ServeOptions:
     role: str = "all"
     experts: str | None = None
     kv_shm: str | None = None
+    experts_shm: str | None = None  # --role experts: the weights in this shared-memory file
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None
@@ -92,6 +93,9 @@ class ServeOptions:
                                  "decide the experts' format")
             if not Path(self.experts_gguf).is_file():
                 raise ValueError(f"--experts-gguf: {self.experts_gguf} is not a file")
+        if self.experts_shm and self.role != "experts":
+            raise ValueError(f"--experts-shm is for --role experts (the attention process maps the file the experts "
+                             f"process names), not --role {self.role}")
         if self.dense_quant not in contract.DENSE_QUANTS:
             raise ValueError(f"--dense-quant must be one of {', '.join(contract.DENSE_QUANTS)}")
         if self.num_device_blocks is not None and self.num_device_blocks < 1:

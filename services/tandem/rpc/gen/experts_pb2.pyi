@@ -72,7 +72,7 @@ class GetExpertsInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExpertsInfo(_message.Message):
-    __slots__ = ("model", "moe_layers", "num_experts", "hidden_size", "dtype", "kv_shm_path", "data_socket")
+    __slots__ = ("model", "moe_layers", "num_experts", "hidden_size", "dtype", "kv_shm_path", "data_socket", "experts_shm_path", "experts_shm_generation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,8 @@ class ExpertsInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_SHM_GENERATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     moe_layers: _containers.RepeatedScalarFieldContainer[int]
     num_experts: int
@@ -87,4 +89,6 @@ class ExpertsInfo(_message.Message):
     dtype: str
     kv_shm_path: str
     data_socket: str
-    def __init__(self, model: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_shm_path: _Optional[str] = ..., data_socket: _Optional[str] = ...) -> None: ...
+    experts_shm_path: str
+    experts_shm_generation: str
+    def __init__(self, model: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_shm_path: _Optional[str] = ..., data_socket: _Optional[str] = ..., experts_shm_path: _Optional[str] = ..., experts_shm_generation: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,258 @@
+"""The routed experts' stored weights in a shared-memory file, for the attention process's GPU prefill.
+
+A prefill chunk's routed experts run far faster on the GPU than on the socket's cores (2,371
+against 122 tok/s on an H100, benchmarks/RESULTS.md round sixteen), with the weights streamed
+to it from host memory (`tandem.experts.device_prefill`). The embedded server has them in its
+own memory; in the split deployment they are the experts process's. So the experts process
+(`tandem serve --role experts --experts-shm PATH`) keeps its stored weights, as its kernels
+read them (quantized or not), in one shared-memory file `PATH.bin`, described by a manifest
+`PATH.json`, and names both in its ExpertsInfo. The attention process on a GPU maps the file,
+page-locks it, and prefills large chunks' experts on the GPU (`SharedPrefill`); decode and small
+chunks still go to the experts process. RAM holds one copy of the weights.
+
+The file is written layer by layer, each layer's own memory freed once it is copied, so loading
+needs no room for a second copy. The manifest is written last and removed first, so a reader
+never takes a half-written file. It records what the weights were made from (`load_key`): an
+experts process restarting with the same model files, dtype and quantization maps the file
+instead of loading the checkpoint again, and the attention process's mapping stays valid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem import __version__
+from tandem.experts.base import ExpertWeights
+from tandem.experts.device_prefill import DevicePrefill
+from tandem.experts.quant import FORMATS, Stored, from_parts, stored_format, stored_parts
+
+log = logging.getLogger(__name__)
+
+DATA_SUFFIX = ".bin"
+MANIFEST_SUFFIX = ".json"
+FORMAT_VERSION = 1
+_ALIGN = 4096  # each tensor starts on a page of its own
+_DTYPES = {str(d).removeprefix("torch."): d for d in
+           (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)}
+
+
+class SharedWeightsError(RuntimeError):
+    """No usable weights at the path: none published, half written, damaged, or made from other inputs."""
+
+
+def data_path(path: str | Path) -> Path:
+    return Path(f"{path}{DATA_SUFFIX}")
+
+
+def manifest_path(path: str | Path) -> Path:
+    return Path(f"{path}{MANIFEST_SUFFIX}")
+
+
+def load_key(model_dir: str | Path, dtype: str, quant: str, experts_gguf: str | Path | None = None) -> dict:
+    """What the stored weights are made from: the files they are read from (name, size, mtime),
+    the dtype and quantization asked for, and this code's version."""
+    sources = [Path(experts_gguf)] if experts_gguf else sorted(p for p in Path(model_dir).iterdir() if p.is_file())
+    return {
+        "tandem": __version__, "format": FORMAT_VERSION, "model": str(Path(model_dir).resolve()),
+        "dtype": str(dtype), "quant": quant,
+        "files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in sources],
+    }
+
+
+@dataclass
+class SharedWeights:
+    """Published weights, mapped: `layers` are views of `buffer`, the whole file."""
+
+    path: Path
+    buffer: torch.Tensor  # uint8 [nbytes], the file mapped shared
+    manifest: dict
+    layers: dict[int, ExpertWeights]  # stored weights (Stored), views of buffer
+
+    @property
+    def generation(self) -> str:
+        return self.manifest["generation"]
+
+    @property
+    def quant(self) -> str:
+        """The executor's quantization the weights were stored for ("none", "int8", "int4")."""
+        return self.manifest["quant"]
+
+
+def share(executor, path: str | Path, key: dict) -> SharedWeights:
+    """Move a CPU executor's stored weights into the shared-memory file at `path` and serve them
+    from there: layer by layer, each layer's own memory freed (`replace_weights`) once copied."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    manifest_path(path).unlink(missing_ok=True)  # first: no reader takes what follows for whole
+    data_path(path).unlink(missing_ok=True)  # its memory goes once no process maps it
+    layers, nbytes = _layout({i: (p.gate_up, p.down) for i, p in executor.layers.items()})
+    tmp = Path(f"{data_path(path)}.tmp")
+    tmp.unlink(missing_ok=True)
+    with open(tmp, "wb") as f:
+        f.truncate(nbytes)
+    buffer = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
+    mapped = {}
+    for index, entry in layers.items():
+        p = executor.layers[int(index)]
+        for name, w in (("gate_up", p.gate_up), ("down", p.down)):
+            for view, t in zip(_views(buffer, entry[name]), stored_parts(w)):
+                view.copy_(t)
+        mapped[int(index)] = weights = _weights(buffer, entry)
+        executor.replace_weights(int(index), weights.gate_up, weights.down)
+    os.replace(tmp, data_path(path))
+    manifest = {"version": FORMAT_VERSION, "generation": uuid.uuid4().hex, "key": key, "quant": executor.quant,
+                "nbytes": nbytes, "layers": layers}
+    _write_atomically(manifest_path(path), json.dumps(manifest, indent=1))
+    log.info("routed experts' weights shared at %s (%.2f GB, generation %s)", data_path(path), nbytes / 1e9,
+             manifest["generation"])
+    return SharedWeights(path, buffer, manifest, mapped)
+
+
+def open_shared(path: str | Path, key: dict | None = None) -> SharedWeights:
+    """Map the weights published at `path`; with `key`, only if they were made from it.
+    SharedWeightsError says why not."""
+    path = Path(path)
+    try:
+        manifest = json.loads(manifest_path(path).read_text())
+    except FileNotFoundError:
+        raise SharedWeightsError(f"no expert weights published at {manifest_path(path)}") from None
+    except (OSError, ValueError) as exc:
+        raise SharedWeightsError(f"{manifest_path(path)}: unreadable manifest: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("version") != FORMAT_VERSION:
+        raise SharedWeightsError(f"{manifest_path(path)}: not a version {FORMAT_VERSION} manifest")
+    if key is not None and manifest.get("key") != key:
+        raise SharedWeightsError(f"{manifest_path(path)}: made from other inputs (model files, dtype, quantization "
+                                 f"or version) than this process's")
+    try:
+        nbytes = int(manifest["nbytes"])
+        size = data_path(path).stat().st_size
+        if size < nbytes:
+            raise SharedWeightsError(f"{data_path(path)}: {size} bytes, its manifest describes {nbytes}")
+        buffer = torch.from_file(str(data_path(path)), shared=True, size=nbytes, dtype=torch.uint8)
+        layers = {int(i): _weights(buffer, entry) for i, entry in manifest["layers"].items()}
+    except SharedWeightsError:
+        raise
+    except FileNotFoundError:
+        raise SharedWeightsError(f"{data_path(path)} is missing") from None
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise SharedWeightsError(f"{manifest_path(path)}: damaged manifest ({type(exc).__name__}: {exc})") from None
+    return SharedWeights(path, buffer, manifest, layers)
+
+
+def _layout(weights: dict[int, tuple[Stored, Stored]]) -> tuple[dict, int]:
+    """The manifest's layers (where each stored tensor lies in the file) and the file's size."""
+    offset, layers = 0, {}
+    for index, pair in sorted(weights.items()):
+        entry = {}
+        for name, w in zip(("gate_up", "down"), pair):
+            parts = []
+            for t in stored_parts(w):
+                if not t.is_contiguous():
+                    raise ValueError(f"layer {index} {name}: stored tensors must be contiguous to share")
+                offset = _round_up(offset, _ALIGN)
+                parts.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                              "offset": offset})
+                offset += t.numel() * t.element_size()
+            entry[name] = {"format": stored_format(w), "group_size": getattr(w, "group_size", 0), "parts": parts}
+        layers[str(index)] = entry
+    return layers, _round_up(offset, _ALIGN)
+
+
+def _views(buffer: torch.Tensor, entry: dict) -> list[torch.Tensor]:
+    views = []
+    for part in entry["parts"]:
+        dtype = _DTYPES[part["dtype"]]
+        shape = [int(n) for n in part["shape"]]
+        size = torch.empty((), dtype=dtype).element_size()
+        for n in shape:
+            size *= n
+        start = int(part["offset"])
+        if start < 0 or start % _ALIGN or start + size > buffer.numel():
+            raise ValueError(f"a tensor at {start}..{start + size} outside the file's {buffer.numel()} bytes")
+        views.append(buffer[start:start + size].view(dtype).view(shape))
+    return views
+
+
+def _weights(buffer: torch.Tensor, entry: dict) -> ExpertWeights:
+    stored = []
+    for name in ("gate_up", "down"):
+        if entry[name]["format"] not in FORMATS:
+            raise ValueError(f"unknown format {entry[name]['format']!r}")
+        stored.append(from_parts(entry[name]["format"], tuple(_views(buffer, entry[name])),
+                                 int(entry[name]["group_size"])))
+    return ExpertWeights(*stored)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class SharedPrefill:
+    """The attention process's expert executor when its experts process shares its weights.
+
+    `forward` is the client's (decode, and chunks under `min_tokens`). `forward_on_device` maps
+    the weights the experts process advertises (ExpertsInfo's experts_shm_path and generation, as
+    its client last saw them) and computes the chunk on the GPU with `DevicePrefill` over them,
+    page-locked if `pin`; a newer generation is mapped afresh. Where there is nothing to map (no
+    file advertised, or not visible from here: another host) it declines, and the experts
+    process computes the chunk, as without sharing; why is logged once.
+    """
+
+    def __init__(self, client, min_tokens: int, pin: bool):
+        self.inner, self.min_tokens, self.pin = client, min_tokens, pin
+        self.prefill: DevicePrefill | None = None
+        self.shared: SharedWeights | None = None
+        self._declined: tuple | None = None  # (path, generation) found unusable, warned about
+
+    def forward(self, layer, hidden, topk_ids, topk_weights):
+        return self.inner.forward(layer, hidden, topk_ids, topk_weights)
+
+    def forward_on_device(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] < self.min_tokens:
+            return None
+        prefill = self._prefill(x.device)
+        return None if prefill is None else prefill.forward_on_device(layer, x, ids, weights)
+
+    def _prefill(self, device: torch.device) -> DevicePrefill | None:
+        info = getattr(self.inner, "last_info", None)
+        advertised = (info.experts_shm_path, info.experts_shm_generation) if info is not None else ("", "")
+        if self.shared is not None and (str(self.shared.path), self.shared.generation) == advertised:
+            return self.prefill
+        self.release()
+        if not advertised[0] or advertised == self._declined:
+            return None
+        try:
+            shared = open_shared(advertised[0])
+            if shared.generation != advertised[1]:
+                raise SharedWeightsError(f"{manifest_path(advertised[0])} holds generation {shared.generation}, the "
+                                         f"experts process serves {advertised[1]}")
+        except SharedWeightsError as exc:
+            self._declined = advertised
+            log.warning("large prefill chunks' experts stay on the experts process: %s", exc)
+            return None
+        self.shared = shared
+        self.prefill = DevicePrefill(self.inner, device, self.min_tokens, pin=self.pin, backing=[shared.buffer],
+                                     weights={i: (w.gate_up, w.down) for i, w in shared.layers.items()})
+        log.info("large prefill chunks' experts run on %s, from the experts process's weights mapped at %s%s",
+                 device, data_path(shared.path), " (page-locked)" if self.prefill.pinned else "")
+        return self.prefill
+
+    def release(self) -> None:
+        """Unmap the weights (unlocking them first)."""
+        if self.prefill is not None:
+            self.prefill.unlock()
+        self.prefill = self.shared = None
