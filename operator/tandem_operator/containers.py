@@ -1,9 +1,12 @@
 """The two containers of a HybridModel pod: `attention` (GPU) and `experts` (CPU socket).
 
 Both run `tandem serve` from the same image with the flags in `tandem.contract`. They talk over
-a Unix socket in a shared emptyDir and share the CPU KV tier through an emptyDir of medium
-Memory. Requests equal limits in both, with whole CPUs, so the pod is Guaranteed QoS and the
-kubelet's static CPU manager and topology manager can pin it to one socket.
+a Unix socket in a shared emptyDir and share two files through emptyDirs of medium Memory, each
+mounted in both at a directory of its own: the CPU KV tier (`--kv-shm`, both containers) and the
+experts' stored weights (`--experts-shm`, the experts container), which the attention container
+maps to run large prefill chunks' experts on the GPU. Requests equal limits in both, with whole
+CPUs, so the pod is Guaranteed QoS and the kubelet's static CPU manager and topology manager can
+pin it to one socket.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ TMP_DIR = "/tmp"
 MODEL_VOLUME = "model"
 SOCKET_VOLUME = "sockets"
 KV_VOLUME = "kv-cpu-tier"
+EXPERTS_VOLUME = "expert-weights"
 TMP_VOLUME = "tmp"
 
 # The kubelet's gRPC probe speaks TCP only; the experts server listens on the Unix socket, so
@@ -76,6 +80,7 @@ def build_experts_container(spec: HybridModelSpec) -> dict:
         FLAGS["metrics_port"], str(contract.EXPERTS_METRICS_PORT),
         FLAGS["device"], "cpu",
         FLAGS["threads"], str(threads),
+        FLAGS["experts_shm"], contract.EXPERTS_SHM_PATH,
         *_expert_weights_args(spec),
         *_spin_args(spec),
     ]
@@ -92,11 +97,15 @@ def build_experts_container(spec: HybridModelSpec) -> dict:
 
 
 def volume_mounts() -> list[dict]:
-    """Mounts both containers share: the model (read-only), the socket, the CPU KV tier, /tmp."""
+    """Mounts both containers share: the model (read-only), the socket, the KV tier, the experts' weights, /tmp."""
+    # The shared-memory flags name a prefix inside each directory: the files they add suffixes to
+    # stay in the volume. The weights are not read-only: the attention side registers their
+    # mapping with CUDA, which maps it read-write.
     return [
         {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True},
         {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR},
-        {"name": KV_VOLUME, "mountPath": contract.KV_SHM_PATH},
+        {"name": KV_VOLUME, "mountPath": contract.KV_SHM_DIR},
+        {"name": EXPERTS_VOLUME, "mountPath": contract.EXPERTS_SHM_DIR},
         {"name": TMP_VOLUME, "mountPath": TMP_DIR},
     ]
 

@@ -1,12 +1,17 @@
-"""The pod template of a HybridModel replica: two containers, shared volumes, placement, security."""
+"""The pod template of a HybridModel replica: two containers, shared volumes, placement, security.
+
+The volumes: the model (any volume source from the spec, read-only) and emptyDirs: the experts'
+Unix socket, /tmp, and two of medium Memory whose files both containers map: the CPU KV tier and
+the experts' stored weights.
+"""
 
 from __future__ import annotations
 
 from tandem import contract
 
 from . import names, placement
-from .containers import (KV_VOLUME, MODEL_VOLUME, SOCKET_VOLUME, TMP_VOLUME, build_attention_container,
-                         build_experts_container)
+from .containers import (EXPERTS_VOLUME, KV_VOLUME, MODEL_VOLUME, SOCKET_VOLUME, TMP_VOLUME,
+                         build_attention_container, build_experts_container)
 from .spec import HybridModelSpec
 
 # A fixed unprivileged uid/gid (the distroless "nonroot" user), so runAsNonRoot holds even for
@@ -48,14 +53,18 @@ def build_pod_template(spec: HybridModelSpec, name: str) -> dict:
 
 
 def build_volumes(spec: HybridModelSpec) -> list[dict]:
-    """The model volume (any volume source from the spec) and three emptyDirs."""
+    """The model volume (any volume source from the spec) and four emptyDirs."""
     kv_tier = {"medium": "Memory"}
     if spec.kvCache.cpuTierGiB > 0:
-        kv_tier["sizeLimit"] = f"{spec.kvCache.cpuTierGiB}Gi"
+        # 1 MiB over the tier for its small layout file (tier.layout.json) beside it.
+        kv_tier["sizeLimit"] = f"{spec.kvCache.cpuTierGiB * 1024 + 1}Mi"
     return [
         {"name": MODEL_VOLUME, **spec.model.volume},
         {"name": SOCKET_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
         {"name": KV_VOLUME, "emptyDir": kv_tier},
+        # The experts container writes the weights, so their tmpfs pages are charged to it: its
+        # memory limit bounds them already, and bounds the volume.
+        {"name": EXPERTS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.experts.memory}},
         {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "1Gi"}},
     ]
 

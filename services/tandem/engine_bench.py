@@ -190,6 +190,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--spin-us", type=int, default=20000,
                    help="--mode split: how long each side of the data plane polls for the other, yielding "
                         "its core, before sleeping (default 20000)")
+    p.add_argument("--experts-shm", metavar="PATH",
+                   help="--mode split: the experts process shares its weights in this shared-memory file, as the "
+                        "operator's pods do, so that on CUDA large prefill chunks' experts run on the GPU")
     p.add_argument("--no-bandwidth", action="store_true", help="skip measuring this machine's read bandwidth")
     from tandem.cli import add_engine_args
 
@@ -377,6 +380,8 @@ def start_split_experts(args, cores: list[int], spin_us: int = 0):
            "--expert-quant", args.expert_quant, "--spin-us", str(spin_us)]
     if args.experts_gguf:
         cmd += ["--experts-gguf", args.experts_gguf]
+    if getattr(args, "experts_shm", None):
+        cmd += ["--experts-shm", args.experts_shm]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     # taskset pins before Python starts, so every thread the process makes inherits the cores

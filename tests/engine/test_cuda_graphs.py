@@ -5,9 +5,16 @@ The suite never needs a GPU: these tests skip without one, and run on a GPU mach
 launched, so a graphed engine must give transformers' greedy tokens, and the same logits as the
 eager engine for batches padded to a captured size (padding rows must write no KV and change
 nothing); multi-step runs must give the single-step tokens, and prefill experts copied from
-page-locked memory transformers' tokens."""
+page-locked memory transformers' tokens, in the split deployment too, from the weights the
+experts process shares."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +22,8 @@ import torch
 from tandem.engine import cuda_graph
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine_bench import start_split_experts
+from tandem.experts.shared_weights import SharedPrefill
 from tandem.kv.cache import DEVICE
 
 from test_parity import hf_greedy, prompt_for
@@ -189,3 +198,44 @@ def test_quantized_prefill_experts_on_the_gpu_track_the_cpu(quant, demo_model_di
     assert prefill_wrapper(gpu).calls == len(gpu.model.model.layers)  # the prefill's experts ran on the GPU
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() <= 1e-3
+
+
+def shm_dir(tmp_path: Path) -> tuple[Path, bool]:
+    """A directory on tmpfs (as the pod's emptyDir of medium Memory) when /dev/shm has room, and
+    whether it is one: the kernel page-locks a shared file mapping for the GPU on tmpfs only."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 << 30:
+        return Path(tempfile.mkdtemp(prefix="tandem-test-", dir=shm)), True
+    return tmp_path, False
+
+
+@cuda
+def test_split_prefill_experts_run_on_the_gpu_from_the_weights_the_experts_process_shares(demo_model_dir, tmp_path):
+    # A real experts process (`tandem serve --role experts --experts-shm`), its weights in a
+    # shared-memory file; the attention engine maps and page-locks them for its prefill on the GPU.
+    model_dir = demo_model_dir("mixtral", initializer_range=0.2, hidden_size=512, intermediate_size=4096)
+    prompt = prompt_for(4, 40)
+    ref_tokens, ref_logits = hf_greedy(model_dir, prompt, NEW_TOKENS)
+    where, tmpfs = shm_dir(tmp_path)
+    args = SimpleNamespace(model=str(model_dir), expert_quant="none", experts_gguf=None, dtype="float32",
+                           experts_shm=str(where / "weights"))
+    proc, client = start_split_experts(args, sorted(os.sched_getaffinity(0)))
+    try:
+        assert client.last_info.experts_shm_path == args.experts_shm
+        config = EngineConfig(num_device_blocks=160, max_num_seqs=8, device_prefill_tokens=8)
+        engine = LLMEngine.from_pretrained(model_dir, device="cuda", dtype="float32", config=config,
+                                           expert_executor=client)
+        shared = prefill_wrapper(engine)
+        assert isinstance(shared, SharedPrefill) and shared.inner is client
+        [tokens], [logits] = greedy(engine, [prompt])
+        assert shared.prefill.calls == len(engine.model.model.layers)  # the prefill's experts ran on the GPU
+        assert shared.prefill.pinned or not tmpfs
+        assert tokens == ref_tokens
+        assert (logits - ref_logits).abs().max().item() <= 1e-3
+        shared.release()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        client.close()
+        if tmpfs:
+            shutil.rmtree(where, ignore_errors=True)

@@ -218,3 +218,14 @@ def test_load_key_changes_with_the_model_files(demo_model_dir):
     stat = config.stat()
     os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     assert load_key(model, "float32", "int8") != key
+
+
+def test_the_engine_gives_a_client_of_the_experts_process_one_shared_prefill(layers, demo_model_dir):  # noqa: F811
+    from tandem.engine.llm_engine import LLMEngine, stream_prefill_experts
+
+    client = FakeClient(CpuExpertExecutor(layers, threads=2))
+    engine = LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu", expert_executor=client)
+    stream_prefill_experts(engine.model, torch.device("cpu"), 16, pin=False)  # what the engine does on CUDA
+    wrappers = {id(layer.mlp.executor): layer.mlp.executor for layer in engine.model.model.layers}
+    [wrapper] = wrappers.values()
+    assert isinstance(wrapper, SharedPrefill) and wrapper.inner is client and wrapper.min_tokens == 16

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import posixpath
 
 import kubernetes_validate.utils
 import pytest
@@ -108,14 +109,64 @@ def test_volumes_and_mounts(name):
     model_source = {k: v for k, v in volumes["model"].items() if k != "name"}
     assert model_source == SPECS[name]["model"]["volume"]
     assert volumes["kv-cpu-tier"]["emptyDir"]["medium"] == "Memory"
-    tier = parse_spec(SPECS[name]).kvCache.cpuTierGiB
-    assert volumes["kv-cpu-tier"]["emptyDir"].get("sizeLimit") == (f"{tier}Gi" if tier else None)
     assert "emptyDir" in volumes["sockets"]
     for container in spec["containers"]:
         mounts = {m["name"]: m for m in container["volumeMounts"]}
         assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
-        assert mounts["kv-cpu-tier"]["mountPath"] == contract.KV_SHM_PATH
+        assert mounts["kv-cpu-tier"]["mountPath"] == contract.KV_SHM_DIR
+        assert mounts["expert-weights"] == {"name": "expert-weights", "mountPath": contract.EXPERTS_SHM_DIR}
         assert contract.EXPERTS_SOCKET.removeprefix("unix:").startswith(mounts["sockets"]["mountPath"] + "/")
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_shared_memory_volumes_are_sized_for_their_files(name):
+    volumes = {v["name"]: v for v in pod_spec(SPECS[name])["volumes"]}
+    spec = parse_spec(SPECS[name])
+    # The experts container writes its weights, so its memory limit bounds them: the volume gets the same bound.
+    assert volumes["expert-weights"]["emptyDir"] == {"medium": "Memory", "sizeLimit": spec.experts.memory}
+    tier = spec.kvCache.cpuTierGiB
+    limit = volumes["kv-cpu-tier"]["emptyDir"].get("sizeLimit")
+    if tier == 0:
+        assert limit is None
+    else:  # the tier's k/v files and 1 MiB for its layout file
+        assert parse_quantity(limit) - parse_quantity(f"{tier}Gi") == parse_quantity("1Mi")
+
+
+def shared_memory_files() -> dict[str, list[str]]:
+    """Each shared-memory flag and the suffixes the services add to its path prefix for their files."""
+    from tandem.model.deepseek_attention import LATENT
+    from tandem.rpc.cpu_attention import LAYOUT_SUFFIX
+
+    # The KV tier's files are PATH.<entry> (tandem.kv.cache), one per layout entry: k and v (grouped-query
+    # attention, tandem.model.attention) or MLA's latent.
+    kv = [".k", ".v", f".{LATENT}", LAYOUT_SUFFIX]
+    # tandem.experts.shared_weights: DATA_SUFFIX and MANIFEST_SUFFIX.
+    experts = [".bin", ".json"]
+    return {"kv_shm": kv, "experts_shm": experts}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_shared_memory_files_lie_in_memory_volumes_both_containers_mount(name):
+    spec = pod_spec(SPECS[name])
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounted = [{(m["name"], m["mountPath"]) for m in c["volumeMounts"]} for c in spec["containers"]]
+    flags = {c["name"]: set() for c in spec["containers"]}
+    for container in spec["containers"]:
+        args = container["args"]
+        for flag, suffixes in shared_memory_files().items():
+            if contract.SERVE_FLAGS[flag] not in args:
+                continue
+            flags[container["name"]].add(flag)
+            prefix = args[args.index(contract.SERVE_FLAGS[flag]) + 1]
+            for path in (posixpath.normpath(prefix + suffix) for suffix in suffixes):
+                under = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+                assert under, f"{container['name']}: {path} is in no volume"
+                # The deepest mount is the one the file lands in.
+                mount = max(under, key=lambda m: len(m["mountPath"]))
+                assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory", path
+                assert all((mount["name"], mount["mountPath"]) in each for each in mounted), path
+                assert not mount.get("readOnly"), path
+    assert flags == {"attention": {"kv_shm"}, "experts": {"kv_shm", "experts_shm"}}
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -156,6 +207,9 @@ def test_container_commands_follow_the_contract():
     assert flag(attention, "experts") == contract.EXPERTS_SOCKET == flag(experts, "listen")
     assert flag(attention, "model") == flag(experts, "model") == "/models"
     assert flag(experts, "threads") == "46" and flag(experts, "expert_quant") == "int8"
+    # The experts process keeps its weights in shared memory; the attention process learns the path over gRPC.
+    assert flag(experts, "experts_shm") == contract.EXPERTS_SHM_PATH
+    assert contract.SERVE_FLAGS["experts_shm"] not in attention["args"]
     assert flag(attention, "metrics_port") != flag(experts, "metrics_port")
     assert contract.SERVE_FLAGS["spin_us"] not in attention["args"] + experts["args"]  # unset: not rendered
     assert spec.replicas == children(SPECS["hostpath-int8"])["Deployment"]["spec"]["replicas"] == 3
@@ -236,8 +290,10 @@ def test_container_args_are_what_tandem_serve_accepts(name):
             assert opts.cpu_decode is spec.kvCache.cpuDecode
             assert opts.gpu_memory_fraction == spec.kvCache.gpuMemoryFraction
             assert opts.num_scheduler_steps == spec.attention.numSchedulerSteps
+            assert opts.experts_shm is None
         else:
             assert opts.expert_quant == spec.experts.quantization
+            assert opts.experts_shm == contract.EXPERTS_SHM_PATH
 
 
 def test_service_and_pdb_select_the_pods():

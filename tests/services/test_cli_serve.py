@@ -19,8 +19,9 @@ def test_every_contract_flag_is_accepted(tmp_path):
               "dtype": "bfloat16", "threads": "3", "block_size": "32", "gpu_memory_fraction": "0.5",
               "cpu_kv_gib": "2", "expert_quant": "int8", "spin_us": "20000", "num_scheduler_steps": "4"}
     switches = {"cpu_decode": True, "no_cpu_decode": False}  # flags without a value
-    # --experts-gguf goes with neither --role attention nor --expert-quant: see the test below
-    assert set(values) | set(switches) | {"experts_gguf"} == set(contract.SERVE_FLAGS)
+    # --experts-gguf goes with neither --role attention nor --expert-quant: see the test below;
+    # --experts-shm is the experts role's only: below too
+    assert set(values) | set(switches) | {"experts_gguf", "experts_shm"} == set(contract.SERVE_FLAGS)
     argv = [a for key, flag in contract.SERVE_FLAGS.items() if key in values for a in (flag, values[key])]
     opts = parse(*argv)
     assert (opts.role, opts.experts, opts.kv_shm, opts.metrics_port) == (
@@ -94,3 +95,15 @@ def test_experts_gguf_is_for_the_process_holding_the_experts_in_the_files_format
         assert main(["serve", "--model", str(tmp_path), *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+
+
+def test_experts_shm_is_for_the_experts_role(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    flag = contract.SERVE_FLAGS["experts_shm"]
+    opts = parse("--model", str(tmp_path), "--role", "experts", flag, contract.EXPERTS_SHM_PATH)
+    assert opts.experts_shm == contract.EXPERTS_SHM_PATH
+    assert parse("--model", str(tmp_path), "--role", "experts").experts_shm is None
+    for argv in (["--role", "attention", "--experts", contract.EXPERTS_SOCKET], ["--role", "all"]):
+        assert main(["serve", "--model", str(tmp_path), *argv, flag, contract.EXPERTS_SHM_PATH]) == 2
+        err = capsys.readouterr().err
+        assert "--experts-shm is for --role experts" in err and err.count("\n") == 1

@@ -23,6 +23,7 @@ from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
 from tandem.experts.cpu_executor import CpuExpertExecutor
 from tandem.experts.device_prefill import DEFAULT_MIN_TOKENS as DEVICE_PREFILL_TOKENS
 from tandem.experts.device_prefill import DevicePrefill
+from tandem.experts.shared_weights import SharedPrefill
 from tandem.kv.block_manager import KVBlockManager
 from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
 from tandem.model.loader import load_model
@@ -139,7 +140,9 @@ class LLMEngine:
                         expert_executor: ExpertExecutor | None = None, expert_threads: int | None = None,
                         expert_quant: str = "none", dense_quant: str = "none",
                         experts_gguf: str | Path | None = None) -> "LLMEngine":
-        device = compute_device(device)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but no CUDA device is available")
         model, _ = load_model(model_dir, device=device, dtype=dtype, executor=expert_executor,
                               expert_threads=expert_threads, expert_quant=expert_quant, dense_quant=dense_quant,
                               experts_gguf=experts_gguf)
@@ -317,19 +320,18 @@ class LLMEngine:
         return [done[rid] for rid in ids]
 
 
-def compute_device(device=None) -> torch.device:
-    """`device`, or CUDA when there is one and the CPU when not; ValueError for CUDA without one."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but no CUDA device is available")
-    return device
-
-
 def stream_prefill_experts(model, device: torch.device, min_tokens: int, pin: bool) -> None:
-    """Give every MoE block's in-process CPU executor a GPU path for large prefill chunks, its
-    weights page-locked if `pin` (once: a wrapper per layer would page-lock the same memory again)."""
-    wrap_executors(model, lambda executor: DevicePrefill(executor, device, min_tokens, pin=pin),
-                   lambda executor: isinstance(executor, CpuExpertExecutor))
+    """Give every MoE block's expert executor a GPU path for large prefill chunks, its weights
+    page-locked if `pin` (once: a wrapper per layer would page-lock the same memory again): the
+    in-process CPU executor's weights, or those a client's experts process shares (a client with
+    `last_info`, the ExpertsInfo its process last gave: tandem.experts.shared_weights)."""
+    def wrap(executor):
+        if isinstance(executor, CpuExpertExecutor):
+            return DevicePrefill(executor, device, min_tokens, pin=pin)
+        return SharedPrefill(executor, min_tokens, pin)
+
+    wrap_executors(model, wrap, lambda executor: isinstance(executor, CpuExpertExecutor)
+                   or hasattr(executor, "last_info"))
 
 
 class _StreamedRun:

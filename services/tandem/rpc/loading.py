@@ -8,10 +8,10 @@ from dataclasses import fields
 
 import torch
 
-from tandem.engine.llm_engine import EngineConfig, LLMEngine, compute_device
+from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.experts.base import ExpertsUnavailable
 from tandem.experts.factory import make_expert_executor
-from tandem.experts.shared_weights import SharedPrefill, SharedWeightsError, load_key, open_shared, share
+from tandem.experts.shared_weights import SharedWeightsError, load_key, open_shared, share
 from tandem.metrics import ServingMetrics
 from tandem.model.config import ModelError, load_config
 from tandem.model.loader import build_expert_executor, resolve_dtype
@@ -104,14 +104,11 @@ def load_attention(opts, client: GrpcExpertExecutor) -> LLMEngine:
     """`--role attention`: everything but the routed-expert weights, which the experts process holds.
 
     With a shared CPU KV tier (--kv-shm), the experts process also computes the attention of the
-    sequences offloaded there, on its cores and next to that memory. On CUDA, large prefill chunks'
-    experts run on the GPU from the weights the experts process shares (its --experts-shm), when
-    it does (tandem.experts.shared_weights)."""
-    config, executor = engine_config(opts), client
-    if config.device_prefill_tokens and compute_device(opts.device).type == "cuda":
-        executor = SharedPrefill(client, config.device_prefill_tokens, config.page_lock_experts)
+    sequences offloaded there, on its cores and next to that memory. On CUDA, the engine runs large
+    prefill chunks' experts on the GPU from the weights the experts process shares (its
+    --experts-shm), when it does (tandem.experts.shared_weights)."""
     engine = LLMEngine.from_pretrained(
-        opts.model, device=opts.device, dtype=opts.dtype, config=config, expert_executor=executor,
+        opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts), expert_executor=client,
         dense_quant=opts.dense_quant)
     if opts.kv_shm:
         engine.runner.cpu_attention = RemoteCpuAttention(client)
