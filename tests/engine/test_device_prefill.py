@@ -74,3 +74,54 @@ def test_the_engine_wraps_each_executor_once(demo_model_dir, monkeypatch):
     assert len(layers) > 1 and made == [{"pin": True}]
     [wrapper] = {id(layer.mlp.executor): layer.mlp.executor for layer in layers}.values()
     assert isinstance(wrapper, DevicePrefill) and not wrapper.pinned  # nothing to page-lock off CUDA
+
+
+class FakeCudart:
+    """torch.cuda.cudart() as page_lock uses it, recording registrations; `fail_at` fails that one."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.registered: dict[int, int] = {}
+        self.calls, self.fail_at = 0, fail_at
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+        assert all(ptr + size <= start or start + n <= ptr for start, n in self.registered.items()), "a page twice"
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        del self.registered[ptr]
+        return 0
+
+    def cudaGetErrorString(self, status):
+        return "already registered"
+
+
+def test_page_lock_registers_every_weight_page_once(monkeypatch):
+    from tandem.experts import device_prefill
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    mapping = torch.zeros(5 * 4096 + 100, dtype=torch.uint8)  # views of one buffer: locked once, whole
+    small = [torch.ones(n) for n in (3, 5, 17, 1000)]  # scales: they may share pages with each other
+    tensors = [mapping[:4096].view(torch.int8), mapping[8192:9000], *small, torch.empty(0)]
+    locked = device_prefill.page_lock(tensors)
+    assert locked and sorted(locked) == sorted(cudart.registered)
+    for t in tensors[:-1]:  # every byte of every storage lies in one registered range
+        s = t.untyped_storage()
+        assert any(start <= s.data_ptr() and s.data_ptr() + s.nbytes() <= start + n
+                   for start, n in cudart.registered.items())
+    assert all(start % 4096 == 0 and n % 4096 == 0 for start, n in cudart.registered.items())
+
+    # The last registration fails: the ones before it are undone (all or nothing).
+    separate = [torch.zeros(1 << 16, dtype=torch.uint8), torch.ones(3), torch.zeros(1 << 20)]
+    counting = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: counting)
+    device_prefill.page_lock(separate)
+    failing = FakeCudart(fail_at=counting.calls)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: failing)
+    monkeypatch.setattr(device_prefill, "_drop_pending_error", lambda: None)
+    assert device_prefill.page_lock(separate) == [] and failing.registered == {}
+    assert failing.calls == counting.calls

@@ -17,13 +17,15 @@ to the activations' dtype, as the CPU executor dequantizes them for its own pref
 With `pin` the weights are page-locked first (cudaHostRegister, as vLLM pins the weights it
 offloads to the CPU): the copies then run at full speed without staging, 7.75x and 8.7x the
 prefill from pageable memory on an H100 (benchmarks/RESULTS.md, round sixteen), and the pages
-stay in RAM. The engine asks for it on CUDA (EngineConfig's page_lock_experts); tensors too small
-to lock safely (scales) and any whose registration fails are copied from pageable memory.
+stay in RAM. The engine asks for it on CUDA (EngineConfig's page_lock_experts). What is locked is
+the pages the weights' memory lies on, each page once, scales included; if a registration fails,
+the copies run from pageable memory.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 
 import torch
 import torch.nn.functional as F
@@ -42,20 +44,17 @@ class DevicePrefill:
     """An expert executor: `forward` is the CPU executor's; `forward_on_device` takes large chunks."""
 
     def __init__(self, inner, device: torch.device, min_tokens: int = DEFAULT_MIN_TOKENS, ahead: int = 4,
-                 pin: bool = False, *, weights: dict[int, tuple[Stored, Stored]] | None = None,
-                 backing: list[torch.Tensor] | None = None):
+                 pin: bool = False, *, weights: dict[int, tuple[Stored, Stored]] | None = None):
         """`weights`: layer -> (gate_up, down) in host memory, by default `inner.layers`' (the
-        attention process passes those it maps from the experts process, whose client is `inner`);
-        `backing`: whole mappings the weights are views of, page-locked whole instead of tensor by
-        tensor (tandem.experts.shared_weights)."""
+        attention process passes those it maps from the experts process, whose client is `inner`:
+        tandem.experts.shared_weights)."""
         if min_tokens < 1 or ahead < 1:
             raise ValueError(f"min_tokens and ahead must be at least 1, got {min_tokens} and {ahead}")
         self.inner, self.device = inner, torch.device(device)
         self.min_tokens, self.ahead = min_tokens, ahead
         # layer -> (gate_up [E, 2I, H], down [E, H, I]) in host memory, as the executor stores them
         self.weights = weights if weights is not None else {i: (p.gate_up, p.down) for i, p in inner.layers.items()}
-        self.backing = backing
-        self.locked: list[torch.Tensor] = []
+        self.locked: list[int] = []  # starts of the page ranges registered
         if pin and self.device.type == "cuda":
             self.lock()
         self._copies = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -63,7 +62,7 @@ class DevicePrefill:
 
     @property
     def pinned(self) -> bool:
-        """The weights are page-locked (all but tensors too small to lock: scales)."""
+        """The weights are page-locked."""
         return bool(self.locked)
 
     @property
@@ -76,18 +75,15 @@ class DevicePrefill:
     def lock(self) -> None:
         """Page-lock the weights (see page_lock); `pinned` says whether it took."""
         self.unlock()
-        if self.backing is not None:  # mappings of their own: no page is shared with anything else
-            self.locked = page_lock(self.backing, min_bytes=1)
-        else:
-            self.locked = page_lock([t for pair in self.weights.values() for w in pair for t in stored_parts(w)])
+        self.locked = page_lock([t for pair in self.weights.values() for w in pair for t in stored_parts(w)])
 
     def unlock(self) -> None:
         """Leave the weights pageable again (page-locked memory must be unlocked before it is freed)."""
         locked, self.locked = getattr(self, "locked", []), []
         if locked:
             cudart = torch.cuda.cudart()
-            for t in locked:
-                cudart.cudaHostUnregister(t.data_ptr())
+            for start in locked:
+                cudart.cudaHostUnregister(start)
 
     def __del__(self):
         self.unlock()
@@ -149,7 +145,7 @@ class _Staged:
         compute = torch.cuda.current_stream(device)
         self.copies.wait_stream(compute) if after is None else self.copies.wait_event(after)
         with torch.cuda.stream(self.copies):
-            # asynchronous from page-locked memory; from pageable memory (scales) the copy is staged
+            # asynchronous from page-locked memory; from pageable memory the copy is staged
             gu, dn = (tuple(t[expert].to(device, non_blocking=True) for t in stored_parts(w))
                       for w in (self.gate_up_w, self.down_w))
             ready = torch.cuda.Event()
@@ -173,27 +169,33 @@ def _expert(w: Stored, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> t
     return parts[0].to(dtype)
 
 
-# Allocations this large are mmapped by the C allocator, so no two share a page (registering a
-# page twice fails, and the error would surface at the next kernel launch).
-PAGE_LOCK_MIN_BYTES = 64 << 20
-
-
-def page_lock(tensors: list[torch.Tensor], min_bytes: int = PAGE_LOCK_MIN_BYTES) -> list[torch.Tensor]:
-    """cudaHostRegister the contiguous tensors of at least `min_bytes`: copies from them then run
-    without a staging buffer. Smaller ones (which may share a page) stay pageable. Returns the
-    tensors locked: all of those, or none when a registration fails."""
+def page_lock(tensors: list[torch.Tensor]) -> list[int]:
+    """cudaHostRegister the memory of the tensors' storages, whole pages, each page once: copies
+    from them then run without a staging buffer. Small tensors (scales) may share a page with each
+    other or with other allocations, and registering a page twice fails, so overlapping and
+    touching ranges are merged first; views of one mapping (tandem.experts.shared_weights) lock it
+    once, whole. Returns the starts of the ranges registered: all, or none when a registration
+    fails (then the copies run from pageable memory)."""
     cudart = torch.cuda.cudart()
-    large = [t for t in tensors if t.is_contiguous() and t.numel() * t.element_size() >= min_bytes]
-    for i, t in enumerate(large):
-        status = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    page = mmap.PAGESIZE
+    spans = sorted((s.data_ptr() // page * page, -(-(s.data_ptr() + s.nbytes()) // page) * page)
+                   for s in (t.untyped_storage() for t in tensors) if s.nbytes())
+    ranges: list[list[int]] = []
+    for start, end in spans:
+        if ranges and start <= ranges[-1][1]:
+            ranges[-1][1] = max(ranges[-1][1], end)
+        else:
+            ranges.append([start, end])
+    for i, (start, end) in enumerate(ranges):
+        status = cudart.cudaHostRegister(start, end - start, 0)
         if int(status) != 0:
-            for done in large[:i]:
-                cudart.cudaHostUnregister(done.data_ptr())
+            for done, _ in ranges[:i]:
+                cudart.cudaHostUnregister(done)
             _drop_pending_error()
             log.warning("could not page-lock the expert weights (cudaError %s: %s): prefill copies them "
                         "from pageable memory", int(status), cudart.cudaGetErrorString(status))
             return []
-    return large
+    return [start for start, _ in ranges]
 
 
 def _drop_pending_error() -> None:

@@ -245,7 +245,7 @@ class SharedPrefill:
             log.warning("large prefill chunks' experts stay on the experts process: %s", exc)
             return None
         self.shared = shared
-        self.prefill = DevicePrefill(self.inner, device, self.min_tokens, pin=self.pin, backing=[shared.buffer],
+        self.prefill = DevicePrefill(self.inner, device, self.min_tokens, pin=self.pin,
                                      weights={i: (w.gate_up, w.down) for i, w in shared.layers.items()})
         log.info("large prefill chunks' experts run on %s, from the experts process's weights mapped at %s%s",
                  device, data_path(shared.path), " (page-locked)" if self.prefill.pinned else "")
