@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -229,3 +230,15 @@ def test_the_engine_gives_a_client_of_the_experts_process_one_shared_prefill(lay
     wrappers = {id(layer.mlp.executor): layer.mlp.executor for layer in engine.model.model.layers}
     [wrapper] = wrappers.values()
     assert isinstance(wrapper, SharedPrefill) and wrapper.inner is client and wrapper.min_tokens == 16
+
+
+def test_a_volume_too_small_is_refused_before_writing(layers, tmp_path, monkeypatch):  # noqa: F811
+    executor = CpuExpertExecutor(layers, quant="int8", threads=2)
+    before = outputs(executor)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(OSError, match="has 0.00 GB free, the routed experts' weights need"):
+        share(executor, tmp_path / "weights", KEY)
+    assert not list(tmp_path.iterdir())  # nothing written, and the executor still serves its own
+    for got, want in zip(outputs(executor), before):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -19,9 +19,11 @@ instead of loading the checkpoint again, and the attention process's mapping sta
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +97,12 @@ def share(executor, path: str | Path, key: dict) -> SharedWeights:
     layers, nbytes = _layout({i: (p.gate_up, p.down) for i, p in executor.layers.items()})
     tmp = Path(f"{data_path(path)}.tmp")
     tmp.unlink(missing_ok=True)
+    # A tmpfs file is sparse until written, and a write past the volume's size kills the process
+    # (SIGBUS): refuse up front. Reserving the space (fallocate) would hold a second copy at once.
+    free = shutil.disk_usage(path.parent).free
+    if free < nbytes:
+        raise OSError(errno.ENOSPC, f"--experts-shm: {path.parent} has {free / 1e9:.2f} GB free, the routed "
+                                    f"experts' weights need {nbytes / 1e9:.2f} GB")
     with open(tmp, "wb") as f:
         f.truncate(nbytes)
     buffer = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
