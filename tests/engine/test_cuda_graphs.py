@@ -25,6 +25,8 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine_bench import start_split_experts
 from tandem.experts.shared_weights import SharedPrefill
 from tandem.kv.cache import DEVICE
+from tandem.rpc.loading import load_attention
+from tandem.rpc.server import ServeOptions
 
 from test_parity import hf_greedy, prompt_for
 
@@ -214,7 +216,7 @@ def test_split_prefill_experts_run_on_the_gpu_from_the_weights_the_experts_proce
     # A real experts process (`tandem serve --role experts --experts-shm`), its weights in a
     # shared-memory file; the attention engine maps and page-locks them for its prefill on the GPU.
     model_dir = demo_model_dir("mixtral", initializer_range=0.2, hidden_size=512, intermediate_size=4096)
-    prompt = prompt_for(4, 40)
+    prompt = prompt_for(4, 140)  # a chunk of at least the serving default's 128 tokens
     ref_tokens, ref_logits = hf_greedy(model_dir, prompt, NEW_TOKENS)
     where, tmpfs = shm_dir(tmp_path)
     args = SimpleNamespace(model=str(model_dir), expert_quant="none", experts_gguf=None, dtype="float32",
@@ -222,11 +224,12 @@ def test_split_prefill_experts_run_on_the_gpu_from_the_weights_the_experts_proce
     proc, client = start_split_experts(args, sorted(os.sched_getaffinity(0)))
     try:
         assert client.last_info.experts_shm_path == args.experts_shm
-        config = EngineConfig(num_device_blocks=160, max_num_seqs=8, device_prefill_tokens=8)
-        engine = LLMEngine.from_pretrained(model_dir, device="cuda", dtype="float32", config=config,
-                                           expert_executor=client)
+        opts = ServeOptions(model=str(model_dir), role="attention", experts=client.address, device="cuda",
+                            dtype="float32", num_device_blocks=160, max_num_seqs=8)
+        engine = load_attention(opts, client)  # as `tandem serve --role attention` loads
         shared = prefill_wrapper(engine)
         assert isinstance(shared, SharedPrefill) and shared.inner is client
+        assert shared.shared is not None  # mapped while loading, not in the first request
         [tokens], [logits] = greedy(engine, [prompt])
         assert shared.prefill.calls == len(engine.model.model.layers)  # the prefill's experts ran on the GPU
         assert shared.prefill.pinned or not tmpfs

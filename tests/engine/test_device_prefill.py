@@ -107,21 +107,28 @@ def test_page_lock_registers_every_weight_page_once(monkeypatch):
     mapping = torch.zeros(5 * 4096 + 100, dtype=torch.uint8)  # views of one buffer: locked once, whole
     small = [torch.ones(n) for n in (3, 5, 17, 1000)]  # scales: they may share pages with each other
     tensors = [mapping[:4096].view(torch.int8), mapping[8192:9000], *small, torch.empty(0)]
-    locked = device_prefill.page_lock(tensors)
+    locked = device_prefill.page_lock(tensors, min_bytes=1)  # as for a mapping of the weights' own
     assert locked and sorted(locked) == sorted(cudart.registered)
     for t in tensors[:-1]:  # every byte of every storage lies in one registered range
         s = t.untyped_storage()
         assert any(start <= s.data_ptr() and s.data_ptr() + s.nbytes() <= start + n
                    for start, n in cudart.registered.items())
     assert all(start % 4096 == 0 and n % 4096 == 0 for start, n in cudart.registered.items())
+    # by default only storages large enough to have pages of their own
+    default = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: default)
+    large = torch.zeros(device_prefill.PAGE_LOCK_MIN_BYTES, dtype=torch.uint8)
+    assert len(device_prefill.page_lock([*small, large])) == 1
+    [(start, n)] = default.registered.items()
+    assert start <= large.data_ptr() and large.data_ptr() + large.numel() <= start + n
 
     # The last registration fails: the ones before it are undone (all or nothing).
     separate = [torch.zeros(1 << 16, dtype=torch.uint8), torch.ones(3), torch.zeros(1 << 20)]
     counting = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: counting)
-    device_prefill.page_lock(separate)
+    device_prefill.page_lock(separate, min_bytes=1)
     failing = FakeCudart(fail_at=counting.calls)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: failing)
     monkeypatch.setattr(device_prefill, "_drop_pending_error", lambda: None)
-    assert device_prefill.page_lock(separate) == [] and failing.registered == {}
+    assert device_prefill.page_lock(separate, min_bytes=1) == [] and failing.registered == {}
     assert failing.calls == counting.calls

@@ -156,6 +156,7 @@ def test_shared_prefill_follows_what_the_experts_process_advertises(layers, tmp_
 
     first = share(executor, path, KEY)
     client.advertise(path, first.generation)
+    assert prefill.prepare("cpu") and prefill.shared.generation == first.generation  # mapped ahead of a prefill
     assert prefill.forward_on_device(3, *chunk) is not None and prefill.shared.generation == first.generation
 
     # the experts process restarted on other weights: the new generation is mapped

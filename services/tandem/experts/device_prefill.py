@@ -17,9 +17,10 @@ to the activations' dtype, as the CPU executor dequantizes them for its own pref
 With `pin` the weights are page-locked first (cudaHostRegister, as vLLM pins the weights it
 offloads to the CPU): the copies then run at full speed without staging, 7.75x and 8.7x the
 prefill from pageable memory on an H100 (benchmarks/RESULTS.md, round sixteen), and the pages
-stay in RAM. The engine asks for it on CUDA (EngineConfig's page_lock_experts). What is locked is
-the pages the weights' memory lies on, each page once, scales included; if a registration fails,
-the copies run from pageable memory.
+stay in RAM. The engine asks for it on CUDA (EngineConfig's page_lock_experts). Locked are the
+weights' storages of pages of their own: those of at least PAGE_LOCK_MIN_BYTES, or all of them
+when they are views of a mapping of their own (tandem.experts.shared_weights). The rest (smaller
+scales) and, if a registration fails, everything are copied from pageable memory.
 """
 
 from __future__ import annotations
@@ -44,16 +45,19 @@ class DevicePrefill:
     """An expert executor: `forward` is the CPU executor's; `forward_on_device` takes large chunks."""
 
     def __init__(self, inner, device: torch.device, min_tokens: int = DEFAULT_MIN_TOKENS, ahead: int = 4,
-                 pin: bool = False, *, weights: dict[int, tuple[Stored, Stored]] | None = None):
+                 pin: bool = False, *, weights: dict[int, tuple[Stored, Stored]] | None = None,
+                 own_pages: bool = False):
         """`weights`: layer -> (gate_up, down) in host memory, by default `inner.layers`' (the
         attention process passes those it maps from the experts process, whose client is `inner`:
-        tandem.experts.shared_weights)."""
+        tandem.experts.shared_weights); `own_pages`: their storages are mappings no other memory
+        shares a page with, so all of them are locked, whatever their size."""
         if min_tokens < 1 or ahead < 1:
             raise ValueError(f"min_tokens and ahead must be at least 1, got {min_tokens} and {ahead}")
         self.inner, self.device = inner, torch.device(device)
         self.min_tokens, self.ahead = min_tokens, ahead
         # layer -> (gate_up [E, 2I, H], down [E, H, I]) in host memory, as the executor stores them
         self.weights = weights if weights is not None else {i: (p.gate_up, p.down) for i, p in inner.layers.items()}
+        self.own_pages = own_pages
         self.locked: list[int] = []  # starts of the page ranges registered
         if pin and self.device.type == "cuda":
             self.lock()
@@ -75,7 +79,8 @@ class DevicePrefill:
     def lock(self) -> None:
         """Page-lock the weights (see page_lock); `pinned` says whether it took."""
         self.unlock()
-        self.locked = page_lock([t for pair in self.weights.values() for w in pair for t in stored_parts(w)])
+        self.locked = page_lock([t for pair in self.weights.values() for w in pair for t in stored_parts(w)],
+                                min_bytes=1 if self.own_pages else PAGE_LOCK_MIN_BYTES)
 
     def unlock(self) -> None:
         """Leave the weights pageable again (page-locked memory must be unlocked before it is freed)."""
@@ -169,17 +174,21 @@ def _expert(w: Stored, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> t
     return parts[0].to(dtype)
 
 
-def page_lock(tensors: list[torch.Tensor]) -> list[int]:
-    """cudaHostRegister the memory of the tensors' storages, whole pages, each page once: copies
-    from them then run without a staging buffer. Small tensors (scales) may share a page with each
-    other or with other allocations, and registering a page twice fails, so overlapping and
-    touching ranges are merged first; views of one mapping (tandem.experts.shared_weights) lock it
-    once, whole. Returns the starts of the ranges registered: all, or none when a registration
-    fails (then the copies run from pageable memory)."""
+# The C allocator maps allocations of 32 MiB and more (glibc's largest mmap threshold) on pages of
+# their own. A smaller one may share a page with other memory: locking that page would lock memory
+# this process frees and reuses elsewhere, and registering a page twice fails.
+PAGE_LOCK_MIN_BYTES = 32 << 20
+
+
+def page_lock(tensors: list[torch.Tensor], min_bytes: int = PAGE_LOCK_MIN_BYTES) -> list[int]:
+    """cudaHostRegister the tensors' storages of at least `min_bytes`, whole pages, each page once
+    (views of one storage lock it once, whole): copies from them then run without a staging
+    buffer. Smaller ones stay pageable. Returns the starts of the ranges registered: all, or none
+    when a registration fails (then every copy runs from pageable memory)."""
     cudart = torch.cuda.cudart()
     page = mmap.PAGESIZE
     spans = sorted((s.data_ptr() // page * page, -(-(s.data_ptr() + s.nbytes()) // page) * page)
-                   for s in (t.untyped_storage() for t in tensors) if s.nbytes())
+                   for s in (t.untyped_storage() for t in tensors) if s.nbytes() and s.nbytes() >= min_bytes)
     ranges: list[list[int]] = []
     for start, end in spans:
         if ranges and start <= ranges[-1][1]:

@@ -235,6 +235,11 @@ class SharedPrefill:
         prefill = self._prefill(x.device)
         return None if prefill is None else prefill.forward_on_device(layer, x, ids, weights)
 
+    def prepare(self, device: torch.device) -> bool:
+        """Map (and page-lock) what the experts process advertises now, rather than in the first
+        large prefill: locking a large model's pages takes seconds. Whether there is a mapping."""
+        return self._prefill(torch.device(device)) is not None
+
     def _prefill(self, device: torch.device) -> DevicePrefill | None:
         info = getattr(self.inner, "last_info", None)
         advertised = (info.experts_shm_path, info.experts_shm_generation) if info is not None else ("", "")
@@ -253,7 +258,7 @@ class SharedPrefill:
             log.warning("large prefill chunks' experts stay on the experts process: %s", exc)
             return None
         self.shared = shared
-        self.prefill = DevicePrefill(self.inner, device, self.min_tokens, pin=self.pin,
+        self.prefill = DevicePrefill(self.inner, device, self.min_tokens, pin=self.pin, own_pages=True,
                                      weights={i: (w.gate_up, w.down) for i, w in shared.layers.items()})
         log.info("large prefill chunks' experts run on %s, from the experts process's weights mapped at %s%s",
                  device, data_path(shared.path), " (page-locked)" if self.prefill.pinned else "")

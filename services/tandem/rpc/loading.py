@@ -11,7 +11,7 @@ import torch
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.experts.base import ExpertsUnavailable
 from tandem.experts.factory import make_expert_executor
-from tandem.experts.shared_weights import SharedWeightsError, load_key, open_shared, share
+from tandem.experts.shared_weights import SharedPrefill, SharedWeightsError, load_key, open_shared, share
 from tandem.metrics import ServingMetrics
 from tandem.model.config import ModelError, load_config
 from tandem.model.loader import build_expert_executor, resolve_dtype
@@ -110,6 +110,9 @@ def load_attention(opts, client: GrpcExpertExecutor) -> LLMEngine:
     engine = LLMEngine.from_pretrained(
         opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts), expert_executor=client,
         dense_quant=opts.dense_quant)
+    for executor in {id(m.executor): m.executor for m in engine.model.modules()
+                     if isinstance(getattr(m, "executor", None), SharedPrefill)}.values():
+        executor.prepare(engine.device)  # when the experts process answered already; else at the first prefill
     if opts.kv_shm:
         engine.runner.cpu_attention = RemoteCpuAttention(client)
     return engine
