@@ -71,9 +71,17 @@ def test_the_engine_wraps_each_executor_once(demo_model_dir, monkeypatch):
                                                   config=llm_engine.EngineConfig())
     layers = engine.model.model.layers
     llm_engine.stream_prefill_experts(engine.model, torch.device("cpu"), 8, pin=True)
-    assert len(layers) > 1 and made == [{"pin": True}]
+    assert len(layers) > 1 and made == [{"pin": True, "own_pages": True}]
     [wrapper] = {id(layer.mlp.executor): layer.mlp.executor for layer in layers}.values()
     assert isinstance(wrapper, DevicePrefill) and not wrapper.pinned  # nothing to page-lock off CUDA
+    # to be locked, this tiny model's weights moved into one mapping of their own, and are computed from there
+    from tandem.experts.quant import stored_parts
+
+    storages = {t.untyped_storage().data_ptr() for gate_up, down in wrapper.weights.values()
+                for t in (*stored_parts(gate_up), *stored_parts(down))}
+    executor_storages = {t.untyped_storage().data_ptr() for p in wrapper.inner.layers.values()
+                         for t in (*stored_parts(p.gate_up), *stored_parts(p.down))}
+    assert len(storages) == 1 and storages == executor_storages
 
 
 class FakeCudart:
@@ -132,3 +140,33 @@ def test_page_lock_registers_every_weight_page_once(monkeypatch):
     monkeypatch.setattr(device_prefill, "_drop_pending_error", lambda: None)
     assert device_prefill.page_lock(separate, min_bytes=1) == [] and failing.registered == {}
     assert failing.calls == counting.calls
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_small_tensors_move_to_pages_of_their_own_and_compute_the_same(layers, quant, monkeypatch):  # noqa: F811
+    import mmap
+
+    from tandem.experts import device_prefill
+    from tandem.experts.quant import stored_parts
+
+    executor = CpuExpertExecutor(layers, quant=quant, threads=2)
+    calls = [(layer, *batch(t, seed=t)) for layer in (3, 5) for t in (2, 400)]  # the native kernel, the GEMMs
+    before = [executor.forward(*call) for call in calls]
+    # the largest part stays where it is, as one of at least PAGE_LOCK_MIN_BYTES would
+    parts = [t for p in executor.layers.values() for w in (p.gate_up, p.down) for t in stored_parts(w)]
+    largest = max(t.untyped_storage().nbytes() for t in parts)
+    monkeypatch.setattr(device_prefill, "PAGE_LOCK_MIN_BYTES", largest)
+    kept = {t.data_ptr() for t in parts if t.untyped_storage().nbytes() == largest}
+
+    buffer = device_prefill.give_pages_of_their_own(executor)
+    assert buffer is not None and buffer.data_ptr() % mmap.PAGESIZE == 0
+    now = [t for p in executor.layers.values() for w in (p.gate_up, p.down) for t in stored_parts(w)]
+    for t in now:
+        inside = buffer.data_ptr() <= t.data_ptr() < buffer.data_ptr() + buffer.numel()
+        assert inside != (t.data_ptr() in kept) and t.data_ptr() % 64 == 0
+    for call, want in zip(calls, before):
+        torch.testing.assert_close(executor.forward(*call), want, rtol=0, atol=0)
+
+    cudart = FakeCudart()  # every storage now has pages of its own: locked whole, no page twice
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    assert len(device_prefill.page_lock(now, min_bytes=1)) <= 1 + len(kept)

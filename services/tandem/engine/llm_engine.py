@@ -22,7 +22,7 @@ from tandem.engine.sequence import Sequence
 from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
 from tandem.experts.cpu_executor import CpuExpertExecutor
 from tandem.experts.device_prefill import DEFAULT_MIN_TOKENS as DEVICE_PREFILL_TOKENS
-from tandem.experts.device_prefill import DevicePrefill
+from tandem.experts.device_prefill import DevicePrefill, give_pages_of_their_own
 from tandem.experts.shared_weights import SharedPrefill
 from tandem.kv.block_manager import KVBlockManager
 from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
@@ -327,7 +327,9 @@ def stream_prefill_experts(model, device: torch.device, min_tokens: int, pin: bo
     `last_info`, the ExpertsInfo its process last gave: tandem.experts.shared_weights)."""
     def wrap(executor):
         if isinstance(executor, CpuExpertExecutor):
-            return DevicePrefill(executor, device, min_tokens, pin=pin)
+            if pin:  # so that all of its weights can be locked, scales included
+                give_pages_of_their_own(executor)
+            return DevicePrefill(executor, device, min_tokens, pin=pin, own_pages=pin)
         return SharedPrefill(executor, min_tokens, pin)
 
     wrap_executors(model, wrap, lambda executor: isinstance(executor, CpuExpertExecutor)
