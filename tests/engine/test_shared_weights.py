@@ -222,7 +222,8 @@ def test_load_key_changes_with_the_model_files(demo_model_dir):
     assert load_key(model, "float32", "int8") != key
 
 
-def test_the_engine_gives_a_client_of_the_experts_process_one_shared_prefill(layers, demo_model_dir):  # noqa: F811
+def test_the_engine_gives_a_client_of_the_experts_process_one_shared_prefill(layers, demo_model_dir,  # noqa: F811
+                                                                              tmp_path):
     from tandem.engine.llm_engine import LLMEngine, stream_prefill_experts
 
     client = FakeClient(CpuExpertExecutor(layers, threads=2))
@@ -231,6 +232,16 @@ def test_the_engine_gives_a_client_of_the_experts_process_one_shared_prefill(lay
     wrappers = {id(layer.mlp.executor): layer.mlp.executor for layer in engine.model.model.layers}
     [wrapper] = wrappers.values()
     assert isinstance(wrapper, SharedPrefill) and wrapper.inner is client and wrapper.min_tokens == 16
+
+    # what the serving loop's probe does once the experts process answers: map what it shares
+    from tandem.rpc.loading import prepare_shared_prefill
+
+    prepare_shared_prefill(engine)
+    assert wrapper.shared is None  # nothing advertised yet
+    published = share(client.executor, tmp_path / "weights", KEY)
+    client.advertise(published.path, published.generation)
+    prepare_shared_prefill(engine)
+    assert wrapper.shared.generation == published.generation
 
 
 def test_a_volume_too_small_is_refused_before_writing(layers, tmp_path, monkeypatch):  # noqa: F811

@@ -110,12 +110,20 @@ def load_attention(opts, client: GrpcExpertExecutor) -> LLMEngine:
     engine = LLMEngine.from_pretrained(
         opts.model, device=opts.device, dtype=opts.dtype, config=engine_config(opts), expert_executor=client,
         dense_quant=opts.dense_quant)
-    for executor in {id(m.executor): m.executor for m in engine.model.modules()
-                     if isinstance(getattr(m, "executor", None), SharedPrefill)}.values():
-        executor.prepare(engine.device)  # when the experts process answered already; else at the first prefill
+    prepare_shared_prefill(engine)  # when the experts process answered already; else when it does
     if opts.kv_shm:
         engine.runner.cpu_attention = RemoteCpuAttention(client)
     return engine
+
+
+def prepare_shared_prefill(engine: LLMEngine) -> None:
+    """Map (and page-lock) the weights the experts process shares, for the engine's GPU prefill,
+    now rather than in a request (seconds for a large model); nothing when it shares none, or when
+    they are mapped already."""
+    wrappers = {id(m.executor): m.executor for m in engine.model.modules()
+                if isinstance(getattr(m, "executor", None), SharedPrefill)}
+    for executor in wrappers.values():
+        executor.prepare(engine.device)
 
 
 def load_experts(opts) -> tuple[object, experts_pb2.ExpertsInfo]:

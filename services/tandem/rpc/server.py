@@ -253,8 +253,17 @@ def _engine_loop(engine, client, metrics, health_state: Health, loop) -> EngineL
     def on_serving_change(serving: bool) -> None:
         asyncio.run_coroutine_threadsafe(health_state.set(serving), loop)
 
-    probe = (lambda: client.info(timeout_s=1.0)) if client is not None else None
-    return EngineLoop(engine, metrics, on_serving_change=on_serving_change, probe_experts=probe)
+    def probe() -> None:
+        client.info(timeout_s=1.0)
+        # The experts process is back (or up for the first time): map the weights it shares before
+        # serving again, not in the first request (which tries again if this fails).
+        try:
+            loading.prepare_shared_prefill(engine)
+        except Exception:  # noqa: BLE001 - serving goes on, the prefill's experts on the experts process
+            log.exception("could not map the experts process's shared weights")
+
+    return EngineLoop(engine, metrics, on_serving_change=on_serving_change,
+                      probe_experts=probe if client is not None else None)
 
 
 def _model_info(opts: ServeOptions, engine) -> dict:
