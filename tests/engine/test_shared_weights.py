@@ -18,6 +18,7 @@ import torch
 from test_experts_cpu import batch, dequantized_reference, layers, rel_err  # noqa: F401 (layers is a fixture)
 
 from tandem.experts import shared_weights
+from tandem.experts.base import ExpertsUnavailable
 from tandem.experts.cpu_executor import CpuExpertExecutor
 from tandem.experts.factory import make_expert_executor
 from tandem.experts.quant import stored_parts
@@ -166,6 +167,13 @@ def test_shared_prefill_follows_what_the_experts_process_advertises(layers, tmp_
     got = prefill.forward_on_device(5, *chunk)
     assert prefill.shared.generation == second.generation
     assert rel_err(got, floats.forward(5, *chunk)) < 1e-5
+
+    client.executor = None  # the experts process goes down: the mapping is let go with the failed call
+    client.forward = lambda *args: (_ for _ in ()).throw(ExpertsUnavailable("down"))
+    with pytest.raises(ExpertsUnavailable):
+        prefill.forward(5, *batch(2))
+    assert prefill.shared is None and prefill.prefill is None
+    assert prefill.forward_on_device(5, *chunk) is not None  # mapped again while advertised
 
     client.advertise(path, "another")  # a generation the file does not hold: declined, not mixed
     assert prefill.forward_on_device(3, *chunk) is None and prefill.shared is None

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from tandem import __version__
-from tandem.experts.base import ExpertWeights
+from tandem.experts.base import ExpertsUnavailable, ExpertWeights
 from tandem.experts.device_prefill import DevicePrefill
 from tandem.experts.quant import FORMATS, Stored, from_parts, stored_format, stored_parts
 
@@ -102,7 +102,9 @@ def share(executor, path: str | Path, key: dict) -> SharedWeights:
     free = shutil.disk_usage(path.parent).free
     if free < nbytes:
         raise OSError(errno.ENOSPC, f"--experts-shm: {path.parent} has {free / 1e9:.2f} GB free, the routed "
-                                    f"experts' weights need {nbytes / 1e9:.2f} GB")
+                                    f"experts' weights need {nbytes / 1e9:.2f} GB (weights published there "
+                                    f"before stay in memory while an attention process maps them; it lets them "
+                                    f"go when its next call finds this process down)")
     with open(tmp, "wb") as f:
         f.truncate(nbytes)
     buffer = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
@@ -226,7 +228,13 @@ class SharedPrefill:
         self._declined: tuple | None = None  # (path, generation) found unusable, warned about
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
-        return self.inner.forward(layer, hidden, topk_ids, topk_weights)
+        try:
+            return self.inner.forward(layer, hidden, topk_ids, topk_weights)
+        except ExpertsUnavailable:
+            # The experts process is down, and its successor may publish other weights: let go of
+            # these, so that their memory is not held twice (it comes back when that one answers).
+            self.release()
+            raise
 
     def forward_on_device(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor | None:
