@@ -139,7 +139,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> HybridModelSpec:
     spec = _object(raw, "spec")
     _known(spec, "spec", HybridModelSpec)
     replicas = _int(spec, "replicas", "spec", 1, minimum=0)
-    return HybridModelSpec(
+    parsed = HybridModelSpec(
         model=_model(_object(_required(spec, "model", "spec"), "spec.model")),
         image=_string(spec, "image", "spec", None, min_length=1),
         imagePullPolicy=_choice(spec, "imagePullPolicy", "spec", "IfNotPresent", PULL_POLICIES),
@@ -151,6 +151,18 @@ def parse_spec(raw: Mapping[str, Any] | None) -> HybridModelSpec:
         placement=_placement(_object(spec.get("placement", {}), "spec.placement")),
         autoscaling=_autoscaling(_object(spec.get("autoscaling", {}), "spec.autoscaling")),
     )
+    _check_attention_memory(parsed)
+    return parsed
+
+
+def _check_attention_memory(spec: HybridModelSpec) -> None:
+    # The attention process writes the CPU KV tier (the experts process only reads it), and a
+    # shared-memory page counts against the container that first writes it.
+    tier = spec.kvCache.cpuTierGiB
+    if tier and parse_quantity(spec.attention.memory) <= tier * 2**30:
+        raise SpecError(f"spec.attention.memory {spec.attention.memory} must hold the {tier} GiB CPU KV tier "
+                        f"(spec.kvCache.cpuTierGiB) and the attention process itself: that container writes the "
+                        f"tier, so its shared memory counts against the container's limit")
 
 
 def _model(raw: Mapping) -> ModelSpec:

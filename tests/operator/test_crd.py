@@ -107,6 +107,18 @@ def test_cross_field_rules_are_declared_and_enforced(name):
         parse_spec(body(overrides)["spec"])
 
 
+@pytest.mark.parametrize("memory, tier, ok", [("32Gi", 8, True), ("32Gi", 32, False), ("16Gi", 64, False),
+                                               ("1Gi", 0, True), ("96Gi", 64, True)])
+def test_the_attention_container_must_hold_the_cpu_kv_tier(memory, tier, ok):
+    # The attention process writes the tier, so its shared memory counts against that container.
+    spec = body({"attention": {"memory": memory}, "kvCache": {"cpuTierGiB": tier}})["spec"]
+    if ok:
+        assert parse_spec(spec).attention.memory == memory
+    else:
+        with pytest.raises(SpecError, match=f"spec.attention.memory {memory} must hold the {tier} GiB CPU KV tier"):
+            parse_spec(spec)
+
+
 def test_gguf_excludes_quantization_on_the_experts_object():
     # The JSON Schema check cannot see CEL: the rule must sit on `experts`, where both fields are.
     experts = crd_schema()["properties"]["spec"]["properties"]["experts"]
