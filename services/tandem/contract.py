@@ -33,6 +33,9 @@ KV_BLOCKS_TOTAL = "tandem_kv_blocks_total"  # gauge, label tier
 EXPERT_CALL_LATENCY = "tandem_expert_call_latency_seconds"
 CPU_ATTENTION_LATENCY = "tandem_cpu_attention_latency_seconds"  # one layer's attention over the CPU KV tier
 OFFLOADED_REQUESTS = "tandem_offloaded_requests"  # gauge: running requests whose KV is on the CPU tier
+# counter: MoE layer calls of prefill chunks whose routed experts ran on the GPU, the weights streamed
+# from host memory (tandem.experts.device_prefill); flat on a GPU node means they run on the CPU
+GPU_PREFILL_EXPERT_CALLS = "tandem_gpu_prefill_expert_calls"
 
 # Histogram buckets for latencies: 1 ms to 10 s.
 LATENCY_BUCKETS = (

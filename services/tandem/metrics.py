@@ -60,6 +60,11 @@ class ServingMetrics:
         self.offloaded_requests = Gauge(
             contract.OFFLOADED_REQUESTS, "Running requests whose KV is on the CPU tier (decoding there).",
             registry=reg)
+        self.gpu_prefill_expert_calls = Counter(
+            contract.GPU_PREFILL_EXPERT_CALLS,
+            "MoE layer calls of prefill chunks whose routed experts ran on the GPU, streamed from host memory.",
+            registry=reg)
+        self._gpu_prefill_expert_calls = 0  # the engine's count when last recorded
         self.kv_blocks_used = Gauge(
             contract.KV_BLOCKS_USED, "KV cache blocks in use, per tier.", ["tier"], registry=reg)
         self.kv_blocks_total = Gauge(
@@ -86,6 +91,10 @@ class ServingMetrics:
             self.kv_blocks_used.labels(tier=tier).set(n)
         for tier, n in stats.kv_blocks_total.items():
             self.kv_blocks_total.labels(tier=tier).set(n)
+        calls = getattr(stats, "gpu_prefill_expert_calls", 0)  # the engine's count since it started
+        if calls > self._gpu_prefill_expert_calls:
+            self.gpu_prefill_expert_calls.inc(calls - self._gpu_prefill_expert_calls)
+            self._gpu_prefill_expert_calls = calls
 
     def serve_http(self, port: int, addr: str = "0.0.0.0"):
         """Serves `/metrics` on a daemon thread; returns the HTTP server (`.server_port`, `.shutdown()`)."""

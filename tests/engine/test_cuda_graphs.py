@@ -174,6 +174,7 @@ def test_page_locked_prefill_experts_give_transformers_greedy_tokens(demo_model_
     assert streamed.pinned
     [tokens], [logits] = greedy(engine, [prompt])
     assert streamed.calls == len(engine.model.model.layers)  # the prefill's experts ran on the GPU
+    assert engine.stats().gpu_prefill_expert_calls == streamed.calls
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() <= 1e-3
     # Unlocked, the pages can be locked again (registering a page twice fails).
@@ -232,6 +233,7 @@ def test_split_prefill_experts_run_on_the_gpu_from_the_weights_the_experts_proce
         assert shared.shared is not None  # mapped while loading, not in the first request
         [tokens], [logits] = greedy(engine, [prompt])
         assert shared.prefill.calls == len(engine.model.model.layers)  # the prefill's experts ran on the GPU
+        assert engine.stats().gpu_prefill_expert_calls == shared.prefill.calls  # tandem_gpu_prefill_expert_calls
         assert shared.prefill.pinned or not tmpfs
         assert tokens == ref_tokens
         assert (logits - ref_logits).abs().max().item() <= 1e-3

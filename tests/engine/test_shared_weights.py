@@ -134,7 +134,7 @@ def test_shared_prefill_computes_large_chunks_from_the_mapping(layers, quant, tm
         got = prefill.forward_on_device(layer, hidden, ids, weights)
         assert got is not None and got.dtype == hidden.dtype
         assert rel_err(got, dequantized_reference(executor, layer).forward(layer, hidden, ids, weights)) < 1e-5
-    assert prefill.prefill.calls == 2 and client.calls == 0
+    assert prefill.prefill.calls == prefill.calls == 2 and client.calls == 0
     assert prefill.forward_on_device(3, *batch(8)) is None  # a small chunk: the experts process's
     hidden, ids, weights = batch(4)
     torch.testing.assert_close(prefill.forward(3, hidden, ids, weights), executor.forward(3, hidden, ids, weights))
@@ -236,9 +236,10 @@ def test_the_engine_gives_a_client_of_the_experts_process_one_shared_prefill(lay
 
     client = FakeClient(CpuExpertExecutor(layers, threads=2))
     engine = LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu", expert_executor=client)
-    stream_prefill_experts(engine.model, torch.device("cpu"), 16, pin=False)  # what the engine does on CUDA
+    made = stream_prefill_experts(engine.model, torch.device("cpu"), 16, pin=False)  # what the engine does on CUDA
     wrappers = {id(layer.mlp.executor): layer.mlp.executor for layer in engine.model.model.layers}
     [wrapper] = wrappers.values()
+    assert made == [wrapper]  # what the engine's stats() count the GPU calls of
     assert isinstance(wrapper, SharedPrefill) and wrapper.inner is client and wrapper.min_tokens == 16
 
     # what the serving loop's probe does once the experts process answers: map what it shares

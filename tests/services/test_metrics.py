@@ -66,6 +66,13 @@ def test_counters_and_gauges_by_label(metrics):
     assert samples[contract.KV_BLOCKS_USED][(("tier", "device"),)] == 5
     assert samples[contract.KV_BLOCKS_TOTAL][(("tier", "cpu"),)] == 32
 
+    # the engine counts its GPU prefill calls since it started; the counter follows it
+    counted = contract.GPU_PREFILL_EXPERT_CALLS + "_total"
+    assert scrape(port)[counted][()] == 0
+    for engine_count, exported in ((4, 4), (4, 4), (10, 10)):
+        m.record_engine_stats(SimpleNamespace(**{**vars(stats), "gpu_prefill_expert_calls": engine_count}))
+        assert scrape(port)[counted][()] == exported
+
 
 def test_unknown_outcome_is_refused():
     with pytest.raises(ValueError, match="unknown request outcome 'ok'"):

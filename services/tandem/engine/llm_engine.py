@@ -89,6 +89,7 @@ class EngineStats:
     kv_blocks_used: dict[str, int] = field(default_factory=dict)
     kv_blocks_total: dict[str, int] = field(default_factory=dict)
     prefix_cache_hit_tokens: int = 0
+    gpu_prefill_expert_calls: int = 0  # MoE layer calls of prefill chunks computed on the GPU, so far
 
 
 @dataclass
@@ -121,8 +122,10 @@ class LLMEngine:
             self.block_manager, set(cfg.eos_token_ids),
         )
         self.runner = ModelRunner(model, self.cache, device)
+        self.gpu_prefill = []  # the GPU prefill wrappers (their `calls` go into stats())
         if device.type == "cuda" and config.device_prefill_tokens:
-            stream_prefill_experts(model, device, config.device_prefill_tokens, config.page_lock_experts)
+            self.gpu_prefill = stream_prefill_experts(model, device, config.device_prefill_tokens,
+                                                      config.page_lock_experts)
         if device.type == "cuda" and not config.enforce_eager:
             reason = cuda_graph.unsupported_reason(model, self.cache)
             if reason is None:
@@ -297,6 +300,7 @@ class LLMEngine:
             kv_blocks_used={t: bm.num_used_blocks(t) for t in (DEVICE, CPU)},
             kv_blocks_total={t: bm.num_total_blocks(t) for t in (DEVICE, CPU)},
             prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens,
+            gpu_prefill_expert_calls=sum(w.calls for w in self.gpu_prefill),
         )
 
     # convenience
@@ -320,11 +324,12 @@ class LLMEngine:
         return [done[rid] for rid in ids]
 
 
-def stream_prefill_experts(model, device: torch.device, min_tokens: int, pin: bool) -> None:
+def stream_prefill_experts(model, device: torch.device, min_tokens: int, pin: bool) -> list:
     """Give every MoE block's expert executor a GPU path for large prefill chunks, its weights
     page-locked if `pin` (once: a wrapper per layer would page-lock the same memory again): the
     in-process CPU executor's weights, or those a client's experts process shares (a client with
-    `last_info`, the ExpertsInfo its process last gave: tandem.experts.shared_weights)."""
+    `last_info`, the ExpertsInfo its process last gave: tandem.experts.shared_weights). Returns the
+    wrappers, each counting in `calls` the layer calls it computed on the GPU."""
     def wrap(executor):
         if isinstance(executor, CpuExpertExecutor):
             if pin:  # so that all of its weights can be locked, scales included
@@ -332,8 +337,8 @@ def stream_prefill_experts(model, device: torch.device, min_tokens: int, pin: bo
             return DevicePrefill(executor, device, min_tokens, pin=pin, own_pages=pin)
         return SharedPrefill(executor, min_tokens, pin)
 
-    wrap_executors(model, wrap, lambda executor: isinstance(executor, CpuExpertExecutor)
-                   or hasattr(executor, "last_info"))
+    return wrap_executors(model, wrap, lambda executor: isinstance(executor, CpuExpertExecutor)
+                          or hasattr(executor, "last_info"))
 
 
 class _StreamedRun:

@@ -225,6 +225,7 @@ class SharedPrefill:
         self.inner, self.min_tokens, self.pin = client, min_tokens, pin
         self.prefill: DevicePrefill | None = None
         self.shared: SharedWeights | None = None
+        self.calls = 0  # layer calls computed on the GPU, across mappings
         self._declined: tuple | None = None  # (path, generation) found unusable, warned about
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
@@ -241,7 +242,9 @@ class SharedPrefill:
         if x.shape[0] < self.min_tokens:
             return None
         prefill = self._prefill(x.device)
-        return None if prefill is None else prefill.forward_on_device(layer, x, ids, weights)
+        out = None if prefill is None else prefill.forward_on_device(layer, x, ids, weights)
+        self.calls += out is not None
+        return out
 
     def prepare(self, device: torch.device) -> bool:
         """Map (and page-lock) what the experts process advertises now, rather than in the first

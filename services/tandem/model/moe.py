@@ -11,10 +11,10 @@ from tandem.model.config import ModelConfig
 from tandem.model.layers import DenseMLP
 
 
-def wrap_executors(model: nn.Module, wrap, select=lambda executor: True) -> None:
+def wrap_executors(model: nn.Module, wrap, select=lambda executor: True) -> list:
     """Replace each MoE block's expert executor for which select(executor) holds by wrap(executor),
     called once per executor: the blocks that shared one (the loader hands every block the same
-    in-process executor) share its wrapper."""
+    in-process executor) share its wrapper. Returns the wrappers."""
     wrapped = {}
     for module in model.modules():
         executor = getattr(module, "executor", None)
@@ -23,6 +23,7 @@ def wrap_executors(model: nn.Module, wrap, select=lambda executor: True) -> None
         if id(executor) not in wrapped:
             wrapped[id(executor)] = wrap(executor)
         module.executor = wrapped[id(executor)]
+    return list(wrapped.values())
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
