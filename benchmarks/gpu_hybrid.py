@@ -87,8 +87,7 @@ def bench_tandem(model_dir: Path, args, bandwidth: float) -> dict:
     engine = LLMEngine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", config=config,
                                        expert_quant=args.expert_quant)
     load_s = time.perf_counter() - t
-    streamed = {id(e): e for e in (layer.mlp.executor for layer in engine.model.model.layers)
-                if hasattr(e, "min_tokens")}  # DevicePrefill (tandem.experts.device_prefill)
+    streamed = engine.gpu_prefill  # DevicePrefill (tandem.experts.device_prefill)
     traffic = instrument(engine, expert_bytes(engine))
     clock = ExpertClock(traffic)
     dense = dense_weight_bytes(engine.model)
@@ -96,9 +95,9 @@ def bench_tandem(model_dir: Path, args, bandwidth: float) -> dict:
         if hasattr(layer.mlp, "executor"):
             layer.mlp.executor = clock
     graphs = engine.runner.graphs
-    min_tokens = {key: e.min_tokens for key, e in streamed.items()}
+    min_tokens = [e.min_tokens for e in streamed]
     # the engine page-locks the experts' host memory for the prefill copies (page_lock_experts)
-    results = {"load_s": load_s, "experts_page_locked": bool(streamed) and all(e.pinned for e in streamed.values())}
+    results = {"load_s": load_s, "experts_page_locked": bool(streamed) and all(e.pinned for e in streamed)}
     # (name, graphs, prefill experts on the GPU, decode tokens a scheduled step); the graphed
     # single-step rows on either side of the others, which they are compared with
     rows = [("graphs", graphs, True, 1), ("graphs_multi_step", graphs, True, args.multi_step),
@@ -110,12 +109,12 @@ def bench_tandem(model_dir: Path, args, bandwidth: float) -> dict:
         rows = [row for row in rows if row[0] in args.rows]
     for name, runner_graphs, gpu_prefill, steps in rows:
         if name == "graphs_pageable_prefill":  # last: the prefill copies from pageable memory
-            for e in streamed.values():
+            for e in streamed:
                 e.unlock()
         engine.runner.graphs = runner_graphs
         engine.scheduler.config.num_scheduler_steps = steps
-        for key, e in streamed.items():
-            e.min_tokens = min_tokens[key] if gpu_prefill else 1 << 30
+        for e, own in zip(streamed, min_tokens):
+            e.min_tokens = own if gpu_prefill else 1 << 30
         steps_before = graphs.steps if graphs else 0
         clock.seconds = 0.0
         r = bench(engine, args.prompt_len, args.gen_len, args.concurrency, None, traffic)

@@ -146,7 +146,7 @@ def test_page_lock_registers_every_weight_page_once(monkeypatch):
 def test_small_tensors_move_to_pages_of_their_own_and_compute_the_same(layers, quant, monkeypatch):  # noqa: F811
     import mmap
 
-    from tandem.experts import device_prefill
+    from tandem.experts import device_prefill, shared_weights
     from tandem.experts.quant import stored_parts
 
     executor = CpuExpertExecutor(layers, quant=quant, threads=2)
@@ -158,7 +158,7 @@ def test_small_tensors_move_to_pages_of_their_own_and_compute_the_same(layers, q
     monkeypatch.setattr(device_prefill, "PAGE_LOCK_MIN_BYTES", largest)
     kept = {t.data_ptr() for t in parts if t.untyped_storage().nbytes() == largest}
 
-    buffer = device_prefill.give_pages_of_their_own(executor)
+    buffer = shared_weights.give_pages_of_their_own(executor)
     assert buffer is not None and buffer.data_ptr() % mmap.PAGESIZE == 0
     now = [t for p in executor.layers.values() for w in (p.gate_up, p.down) for t in stored_parts(w)]
     for t in now:

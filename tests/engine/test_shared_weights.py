@@ -236,7 +236,8 @@ def test_the_engine_gives_a_client_of_the_experts_process_one_shared_prefill(lay
 
     client = FakeClient(CpuExpertExecutor(layers, threads=2))
     engine = LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu", expert_executor=client)
-    made = stream_prefill_experts(engine.model, torch.device("cpu"), 16, pin=False)  # what the engine does on CUDA
+    # what the engine does on CUDA
+    engine.gpu_prefill = made = stream_prefill_experts(engine.model, torch.device("cpu"), 16, pin=False)
     wrappers = {id(layer.mlp.executor): layer.mlp.executor for layer in engine.model.model.layers}
     [wrapper] = wrappers.values()
     assert made == [wrapper]  # what the engine's stats() count the GPU calls of

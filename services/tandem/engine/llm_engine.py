@@ -22,8 +22,8 @@ from tandem.engine.sequence import Sequence
 from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
 from tandem.experts.cpu_executor import CpuExpertExecutor
 from tandem.experts.device_prefill import DEFAULT_MIN_TOKENS as DEVICE_PREFILL_TOKENS
-from tandem.experts.device_prefill import DevicePrefill, give_pages_of_their_own
-from tandem.experts.shared_weights import SharedPrefill
+from tandem.experts.device_prefill import DevicePrefill
+from tandem.experts.shared_weights import SharedPrefill, give_pages_of_their_own
 from tandem.kv.block_manager import KVBlockManager
 from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
 from tandem.model.loader import load_model

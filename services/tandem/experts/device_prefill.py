@@ -21,7 +21,7 @@ stay in RAM. The engine asks for it on CUDA (EngineConfig's page_lock_experts). 
 pages of its own is locked: locking a page that other memory shares would lock that too, for as
 long as this wrapper lives. Storages of at least PAGE_LOCK_MIN_BYTES have pages of their own; the
 engine moves the smaller ones (scales) into a mapping of their own first
-(`give_pages_of_their_own`), and the split pair's weights are one (tandem.experts.shared_weights).
+(`shared_weights.give_pages_of_their_own`), and the split pair's weights are one such mapping.
 If a registration fails, the copies run from pageable memory.
 """
 
@@ -33,14 +33,13 @@ import mmap
 import torch
 import torch.nn.functional as F
 
-from tandem.experts.quant import Int4Weight, Int8Weight, Stored, dequantize, from_parts, stored_format, stored_parts
+from tandem.experts.quant import Int4Weight, Int8Weight, Stored, dequantize, stored_parts
 from tandem.experts.routing import group_by_expert
 from tandem.experts.torch_kernels import moe_with_linears
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MIN_TOKENS = 128
-
 
 
 class DevicePrefill:
@@ -180,41 +179,6 @@ def _expert(w: Stored, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> t
 # their own. A smaller one may share a page with other memory: locking that page would lock memory
 # this process frees and reuses elsewhere, and registering a page twice fails.
 PAGE_LOCK_MIN_BYTES = 32 << 20
-
-
-def give_pages_of_their_own(executor) -> torch.Tensor | None:
-    """Move a CPU executor's stored tensors under PAGE_LOCK_MIN_BYTES (scales, small models'
-    weights) into one anonymous mapping of their own, layer by layer (`replace_weights` frees the
-    old ones), so that every storage it computes with can be page-locked without locking other
-    memory. Returns the mapping, or None when there was nothing to move."""
-    small = []  # (layer, projection, part index, tensor, offset in the mapping)
-    offset = 0
-    for index, p in sorted(executor.layers.items()):
-        for name in ("gate_up", "down"):
-            for k, t in enumerate(stored_parts(getattr(p, name))):
-                if t.untyped_storage().nbytes() < PAGE_LOCK_MIN_BYTES:
-                    offset = -(-offset // 64) * 64  # the kernels' SIMD loads want 64-byte alignment
-                    small.append((index, name, k, t, offset))
-                    offset += t.numel() * t.element_size()
-    if not small:
-        return None
-    buffer = torch.frombuffer(mmap.mmap(-1, offset), dtype=torch.uint8)  # the tensor holds the mapping
-    moved: dict[int, dict[str, list[torch.Tensor]]] = {}
-    for index, name, k, t, start in small:
-        view = buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        parts = moved.setdefault(index, {}).setdefault(name, list(stored_parts(getattr(executor.layers[index], name))))
-        parts[k] = view
-    for index, projections in moved.items():
-        p = executor.layers[index]
-        stored = {}
-        for name in ("gate_up", "down"):
-            w = getattr(p, name)
-            parts = projections.get(name)
-            stored[name] = w if parts is None else from_parts(stored_format(w), tuple(parts),
-                                                                getattr(w, "group_size", 0))
-        executor.replace_weights(index, stored["gate_up"], stored["down"])
-    return buffer
 
 
 def page_lock(tensors: list[torch.Tensor], min_bytes: int = PAGE_LOCK_MIN_BYTES) -> list[int]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import mmap
 import os
 import shutil
 import uuid
@@ -32,6 +33,7 @@ import torch
 
 from tandem import __version__
 from tandem.experts.base import ExpertsUnavailable, ExpertWeights
+from tandem.experts import device_prefill
 from tandem.experts.device_prefill import DevicePrefill
 from tandem.experts.quant import FORMATS, Stored, from_parts, stored_format, stored_parts
 
@@ -108,14 +110,8 @@ def share(executor, path: str | Path, key: dict) -> SharedWeights:
     with open(tmp, "wb") as f:
         f.truncate(nbytes)
     buffer = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
-    mapped = {}
-    for index, entry in layers.items():
-        p = executor.layers[int(index)]
-        for name, w in (("gate_up", p.gate_up), ("down", p.down)):
-            for view, t in zip(_views(buffer, entry[name]), stored_parts(w)):
-                view.copy_(t)
-        mapped[int(index)] = weights = _weights(buffer, entry)
-        executor.replace_weights(int(index), weights.gate_up, weights.down)
+    _move_into(executor, layers, buffer)
+    mapped = {i: ExpertWeights(p.gate_up, p.down) for i, p in executor.layers.items()}  # views of buffer now
     os.replace(tmp, data_path(path))
     manifest = {"version": FORMAT_VERSION, "generation": uuid.uuid4().hex, "key": key, "quant": executor.quant,
                 "nbytes": nbytes, "layers": layers}
@@ -156,38 +152,74 @@ def open_shared(path: str | Path, key: dict | None = None) -> SharedWeights:
     return SharedWeights(path, buffer, manifest, layers)
 
 
-def _layout(weights: dict[int, tuple[Stored, Stored]]) -> tuple[dict, int]:
-    """The manifest's layers (where each stored tensor lies in the file) and the file's size."""
+def give_pages_of_their_own(executor) -> torch.Tensor | None:
+    """Move a CPU executor's stored tensors under PAGE_LOCK_MIN_BYTES (scales, small models'
+    weights) into one anonymous mapping of their own, layer by layer, so that every storage it
+    computes with can be page-locked without locking other memory (see device_prefill.page_lock).
+    Returns the mapping, or None when there was nothing to move."""
+    layers, nbytes = _layout({i: (p.gate_up, p.down) for i, p in executor.layers.items()}, align=64,
+                             move=lambda t: t.untyped_storage().nbytes() < device_prefill.PAGE_LOCK_MIN_BYTES)
+    if not nbytes:
+        return None
+    buffer = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # the tensor holds the mapping
+    _move_into(executor, layers, buffer, align=64)
+    return buffer
+
+
+def _layout(weights: dict[int, tuple[Stored, Stored]], align: int = _ALIGN,
+            move=lambda t: True) -> tuple[dict, int]:
+    """Where each stored tensor `move` takes lies in one buffer (a part None: stays where it is),
+    as the manifest's layers, and the buffer's size. Each starts at a multiple of `align`."""
     offset, layers = 0, {}
     for index, pair in sorted(weights.items()):
         entry = {}
         for name, w in zip(("gate_up", "down"), pair):
             parts = []
             for t in stored_parts(w):
+                if not move(t):
+                    parts.append(None)
+                    continue
                 if not t.is_contiguous():
                     raise ValueError(f"layer {index} {name}: stored tensors must be contiguous to share")
-                offset = _round_up(offset, _ALIGN)
+                offset = _round_up(offset, align)
                 parts.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                               "offset": offset})
                 offset += t.numel() * t.element_size()
             entry[name] = {"format": stored_format(w), "group_size": getattr(w, "group_size", 0), "parts": parts}
         layers[str(index)] = entry
-    return layers, _round_up(offset, _ALIGN)
+    return layers, _round_up(offset, align)
+
+
+def _move_into(executor, layers: dict, buffer: torch.Tensor, align: int = _ALIGN) -> None:
+    """Copy the executor's stored tensors into `buffer` where `layers` (a _layout) places them,
+    layer by layer, each layer served from there once copied (`replace_weights` frees its own)."""
+    for index, entry in layers.items():
+        p = executor.layers[int(index)]
+        stored = []
+        for name in ("gate_up", "down"):
+            parts = list(stored_parts(getattr(p, name)))
+            for k, part in enumerate(entry[name]["parts"]):
+                if part is not None:
+                    parts[k] = _view(buffer, part, align).copy_(parts[k])
+            stored.append(from_parts(entry[name]["format"], tuple(parts), entry[name]["group_size"]))
+        executor.replace_weights(int(index), *stored)
+
+
+def _view(buffer: torch.Tensor, part: dict, align: int = _ALIGN) -> torch.Tensor:
+    """The tensor a layout's part describes, a view of `buffer`; ValueError when it lies outside."""
+    dtype = _DTYPES[part["dtype"]]
+    shape = [int(n) for n in part["shape"]]
+    size = torch.empty((), dtype=dtype).element_size()
+    for n in shape:
+        size *= n
+    start = int(part["offset"])
+    if start < 0 or start % align or start + size > buffer.numel():
+        raise ValueError(f"a tensor at {start}..{start + size} outside the file's {buffer.numel()} bytes")
+    return buffer[start:start + size].view(dtype).view(shape)
 
 
 def _views(buffer: torch.Tensor, entry: dict) -> list[torch.Tensor]:
-    views = []
-    for part in entry["parts"]:
-        dtype = _DTYPES[part["dtype"]]
-        shape = [int(n) for n in part["shape"]]
-        size = torch.empty((), dtype=dtype).element_size()
-        for n in shape:
-            size *= n
-        start = int(part["offset"])
-        if start < 0 or start % _ALIGN or start + size > buffer.numel():
-            raise ValueError(f"a tensor at {start}..{start + size} outside the file's {buffer.numel()} bytes")
-        views.append(buffer[start:start + size].view(dtype).view(shape))
-    return views
+    return [_view(buffer, part) for part in entry["parts"]]
 
 
 def _weights(buffer: torch.Tensor, entry: dict) -> ExpertWeights:

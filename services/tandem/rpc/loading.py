@@ -120,10 +120,9 @@ def prepare_shared_prefill(engine: LLMEngine) -> None:
     """Map (and page-lock) the weights the experts process shares, for the engine's GPU prefill,
     now rather than in a request (seconds for a large model); nothing when it shares none, or when
     they are mapped already."""
-    wrappers = {id(m.executor): m.executor for m in engine.model.modules()
-                if isinstance(getattr(m, "executor", None), SharedPrefill)}
-    for executor in wrappers.values():
-        executor.prepare(engine.device)
+    for wrapper in engine.gpu_prefill:
+        if isinstance(wrapper, SharedPrefill):
+            wrapper.prepare(engine.device)
 
 
 def load_experts(opts) -> tuple[object, experts_pb2.ExpertsInfo]:
