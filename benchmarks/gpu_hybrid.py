@@ -46,25 +46,105 @@ from tandem.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from tandem.engine_bench import bench, dense_weight_bytes, expert_bytes, instrument  # noqa: E402
 
 
-def make_checkpoint(out: Path, layers: int) -> Path:
+MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                   num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+                   rope_theta=1e6, tie_word_embeddings=False)
+# DeepSeek-V3's attention (MLA: 128 heads on a 512 + 64 latent), dense layer and shared expert;
+# 16 routed experts a layer instead of 256 (a layer's experts 1.4 GB, not 22.5), top-8 of them
+DEEPSEEK_V3_ATTENTION = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
+    num_key_value_heads=128, n_shared_experts=1, n_routed_experts=16, num_experts_per_tok=8, n_group=8, topk_group=4,
+    routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+    qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=1, max_position_embeddings=4096,
+    tie_word_embeddings=False)
+FP8_BLOCK = [128, 128]  # weight_block_size of the fp8 experts (as DeepSeek-V3 ships)
+
+
+def make_checkpoint(out: Path, layers: int, experts_fp8: bool = False, arch: str = "mixtral", **shape) -> Path:
+    """Mixtral-8x7B's shapes (or `shape`'s overrides) with `layers` layers, random weights, bfloat16;
+    with `experts_fp8` the routed experts are stored block-scaled fp8 (`write_fp8_experts_checkpoint`).
+    `arch` "deepseek_v3": DEEPSEEK_V3_ATTENTION's shapes instead."""
     import transformers
 
     if (out / "config.json").is_file():
         return out
-    config = transformers.MixtralConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False)
+    config_class, model_class, base = {
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, MIXTRAL_8X7B),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, DEEPSEEK_V3_ATTENTION)}[arch]
+    config = config_class(**{**base, "num_hidden_layers": layers, **shape})
+    if experts_fp8:
+        if arch != "mixtral":
+            raise SystemExit("--experts-fp8 writes Mixtral checkpoints only")
+        return write_fp8_experts_checkpoint(config, out)
     torch.manual_seed(0)
     t = time.perf_counter()
     with torch.device("cuda"):
-        model = transformers.MixtralForCausalLM._from_config(config, dtype=torch.bfloat16)
+        model = model_class._from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out, max_shard_size="4GB")
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"wrote {size / 1e9:.1f} GB checkpoint in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     del model
     gc.collect()
     torch.cuda.empty_cache()
+    return out
+
+
+def write_fp8_experts_checkpoint(config, out: Path) -> Path:
+    """A Mixtral checkpoint written tensor by tensor, one shard a layer, never a model in memory: its
+    routed experts block-scaled fp8 (`tandem.model.fp8`: e4m3 values, one float32 scale per
+    128 x 128 block), everything else bfloat16. Mixtral-8x7B's 32 layers are 47 GB on disk this way,
+    and 93 GB once served in bfloat16: more than an 80 GB card holds. Random weights of
+    transformers' initializer scale (normal, std initializer_range; norms one)."""
+    from safetensors.torch import save_file
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device).manual_seed(0)
+    h, i, e, v = config.hidden_size, config.intermediate_size, config.num_local_experts, config.vocab_size
+    head_dim = config.head_dim or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    std = config.initializer_range
+
+    def normal(*shape):
+        return (torch.randn(*shape, generator=g, device=device) * std).to(torch.bfloat16).cpu()
+
+    def ones():
+        return torch.ones(h, dtype=torch.bfloat16)
+
+    def fp8(n, k):  # e4m3 values of std 1, scaled to std initializer_range by their blocks' scales
+        values = torch.randn(n, k, generator=g, device=device).to(torch.float8_e4m3fn).cpu()
+        blocks = (-(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1]))
+        return values, torch.full(blocks, std, dtype=torch.float32)
+
+    out.mkdir(parents=True, exist_ok=True)
+    shards = config.num_hidden_layers + 1
+    weight_map, t, size = {}, time.perf_counter(), 0
+    for shard in range(shards):
+        if shard == config.num_hidden_layers:  # the last shard: embeddings, final norm, head
+            tensors = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": ones(),
+                       "lm_head.weight": normal(v, h)}
+        else:
+            prefix = f"model.layers.{shard}"
+            attn = f"{prefix}.self_attn"
+            tensors = {f"{prefix}.input_layernorm.weight": ones(), f"{prefix}.post_attention_layernorm.weight": ones(),
+                       f"{attn}.q_proj.weight": normal(q, h), f"{attn}.k_proj.weight": normal(kv, h),
+                       f"{attn}.v_proj.weight": normal(kv, h), f"{attn}.o_proj.weight": normal(h, q),
+                       f"{prefix}.block_sparse_moe.gate.weight": normal(e, h)}
+            for expert in range(e):
+                for proj, shape in (("w1", (i, h)), ("w2", (h, i)), ("w3", (i, h))):
+                    name = f"{prefix}.block_sparse_moe.experts.{expert}.{proj}.weight"
+                    tensors[name], tensors[name + "_scale_inv"] = fp8(*shape)
+        file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        size += sum(x.numel() * x.element_size() for x in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=1))
+    config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": FP8_BLOCK}
+    config.architectures = ["MixtralForCausalLM"]
+    config.torch_dtype = "bfloat16"
+    config.save_pretrained(out)  # last: the directory counts as written once config.json is there
+    print(f"wrote {size / 1e9:.1f} GB checkpoint (experts fp8) in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     return out
 
 
@@ -173,6 +253,11 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,8")
+    p.add_argument("--arch", choices=["mixtral", "deepseek_v3"], default="mixtral",
+                   help="deepseek_v3: DeepSeek-V3's attention shapes (MLA), 16 routed experts a layer")
+    p.add_argument("--experts-fp8", action="store_true",
+                   help="write the checkpoint's experts as block-scaled fp8 (served dequantized): with --layers 32, "
+                        "Mixtral-8x7B whole, 47 GB on disk and 93 GB served, more than an 80 GB card")
     p.add_argument("--expert-quant", choices=["none", "int8", "int4"], default="none")
     p.add_argument("--multi-step", type=int, default=8, help="num_scheduler_steps of the multi-step rows")
     p.add_argument("--rows", type=lambda v: v.split(","), help="only these tandem rows (names as printed)")
@@ -183,10 +268,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    model_dir = make_checkpoint(args.model_dir, args.layers)
+    model_dir = make_checkpoint(args.model_dir, args.layers, args.experts_fp8, args.arch)
     bandwidth = measure_read_bandwidth(method="sum")
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
-              "cpu_read_bandwidth_gbs": bandwidth, "layers": args.layers, "expert_quant": args.expert_quant,
+              "cpu_read_bandwidth_gbs": bandwidth, "arch": args.arch, "layers": args.layers,
+              "experts_fp8": args.experts_fp8, "expert_quant": args.expert_quant,
               "tandem": bench_tandem(model_dir, args, bandwidth)}
     if not args.skip_transformers:
         report["transformers_gpu_only"] = bench_transformers(model_dir, args)

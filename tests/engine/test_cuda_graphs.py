@@ -49,6 +49,17 @@ def test_no_graphs_off_cuda(demo_model_dir):
     assert cuda_graph.unsupported_reason(engine.model, engine.cache) == "the compute device is not CUDA"
 
 
+def test_graphs_serve_grouped_query_and_latent_attention_and_nothing_else(demo_model_dir, monkeypatch):
+    # What the check says on a CUDA cache, asked on the CPU: MLA's decode is graphed too.
+    monkeypatch.setattr(cuda_graph.triton_attention, "available", lambda device: True)
+    cache = SimpleNamespace(device=torch.device("cuda"), block_size=16)
+    for arch in ("mixtral", "deepseek_v3"):
+        engine = LLMEngine.from_pretrained(demo_model_dir(arch), device="cpu", config=EngineConfig())
+        assert cuda_graph.unsupported_reason(engine.model, cache) is None
+    engine.model.model.layers[1].self_attn = torch.nn.Identity()
+    assert cuda_graph.unsupported_reason(engine.model, cache) == "the model's attention has no graphed decode path"
+
+
 def cuda_engine(model_dir, *, enforce_eager: bool, dtype="float32", expert_quant="none", **config):
     config = EngineConfig(enforce_eager=enforce_eager, num_device_blocks=160, max_num_seqs=8, **config)
     return LLMEngine.from_pretrained(model_dir, device="cuda", dtype=dtype, config=config, expert_quant=expert_quant)
@@ -67,10 +78,15 @@ def greedy(engine, prompts, n=NEW_TOKENS):
     return [r.token_ids for r in results], [torch.stack(logits[r.request_id]) for r in results]
 
 
+# DeepSeek-V3's MLA with 16 heads: the Triton kernel scores them on the latent in a matrix-product tile
+ARCHS = {"mixtral": {}, "qwen2_moe": {}, "llama": {}, "deepseek_v3": {},
+         "deepseek_v3_16_heads": {"num_attention_heads": 16}}
+
+
 @cuda
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "llama"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_graphed_decode_gives_transformers_greedy_tokens(arch, demo_model_dir):
-    model_dir = demo_model_dir(arch, initializer_range=0.2)
+    model_dir = demo_model_dir(arch.removesuffix("_16_heads"), initializer_range=0.2, **ARCHS[arch])
     prompt = prompt_for(1, 11)
     ref_tokens, ref_logits = hf_greedy(model_dir, prompt, NEW_TOKENS)
     engine = cuda_engine(model_dir, enforce_eager=False)
@@ -94,11 +110,11 @@ def test_prefill_experts_streamed_to_the_gpu_give_transformers_greedy_tokens(dem
 
 
 @cuda
-@pytest.mark.parametrize("num_seqs", [3, 5])
-def test_graphed_batches_match_eager_ones(num_seqs, demo_model_dir):
+@pytest.mark.parametrize("arch, num_seqs", [("mixtral", 3), ("mixtral", 5), ("deepseek_v3", 5)])
+def test_graphed_batches_match_eager_ones(arch, num_seqs, demo_model_dir):
     # Lengths around the block size (16): partial, exact and multi-block tables; 3 and 5
     # sequences pad to the captured sizes 4 and 8.
-    model_dir = demo_model_dir("mixtral", initializer_range=0.2)
+    model_dir = demo_model_dir(arch, initializer_range=0.2)
     prompts = [prompt_for(s, n) for s, n in zip(range(num_seqs), (5, 16, 17, 31, 40))]
     eager = cuda_engine(model_dir, enforce_eager=True)
     graphed = cuda_engine(model_dir, enforce_eager=False)

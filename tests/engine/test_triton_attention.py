@@ -24,11 +24,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def decode_case(lens: list[int], kv_heads: int, group: int, head_dim: int, v_dim: int, window: int | None,
-                dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+                dtype: torch.dtype = torch.float32, seed: int = 0, latent: bool = False) -> dict:
     """A decode batch over a shuffled block pool. Rows with length 0 are padding. The kernel's caches
     hold NaN everywhere a sequence may not read (spare blocks, the tails of last blocks, keys
     before a window), and padding rows' and stale table entries point at NaN blocks; the torch
-    reference sees clean caches and only the real rows."""
+    reference sees clean caches and only the real rows. With `latent`, V is a view of K's first
+    `v_dim` numbers (MLA's cache: one latent per token is both)."""
     g = torch.Generator().manual_seed(seed)
     real = [i for i, n in enumerate(lens) if n > 0]
     need = [-(-n // BS) for n in lens]
@@ -42,6 +43,8 @@ def decode_case(lens: list[int], kv_heads: int, group: int, head_dim: int, v_dim
     k = torch.randn(num_blocks, BS, kv_heads, head_dim, generator=g).to(dtype)
     # V stored heads-major: a non-contiguous [blocks, BS, Hkv, Dv] view, as strided caches arrive
     v = torch.randn(num_blocks, kv_heads, BS, v_dim, generator=g).to(dtype).transpose(1, 2)
+    if latent:
+        v = k[..., :v_dim]
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g).to(dtype)
 
     ref = None
@@ -58,6 +61,8 @@ def decode_case(lens: list[int], kv_heads: int, group: int, head_dim: int, v_dim
     k_poisoned, v_poisoned = k.clone(), v.clone()
     k_poisoned[unreadable] = float("nan")
     v_poisoned[unreadable] = float("nan")
+    if latent:
+        v_poisoned = k_poisoned[..., :v_dim]
     max_blocks = max(need) + 1
     block_tables = torch.tensor([t + [spare[0]] * (max_blocks - len(t)) for t in tables])  # [B, max_blocks] int64
     return dict(q=q, k=k_poisoned, v=v_poisoned, block_tables=block_tables, seq_lens=torch.tensor(lens), ref=ref,
@@ -90,6 +95,20 @@ SHAPES = [(2, 1, 16, 16), (1, 4, 64, 64), (2, 8, 24, 20)]  # KV heads, group, he
 @pytest.mark.parametrize("window, partitions", [(None, 1), (5, 1), (70, 1), (None, 3), (70, 3)])
 def test_decode_matches_sdpa(kv_heads, group, head_dim, v_dim, window, partitions):
     case = decode_case(LENS, kv_heads, group, head_dim, v_dim, window)
+    check(case, run_case(case, CPU, partitions=partitions), tol=1e-5)
+
+
+# MLA's decode: every query head on one latent KV head, the value a view of the key. Groups of
+# DOT_TILE heads or more are scored in tiles by matrix products: 16 is one tile, 20 a full and a
+# partial one.
+LATENT_SHAPES = [(1, 16, 40, 32), (1, 20, 24, 16), (2, 16, 24, 16)]  # KV heads, group, head dim, value dim
+
+
+@pytest.mark.parametrize("kv_heads, group, head_dim, v_dim", LATENT_SHAPES)
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_latent_decode_in_head_tiles_matches_sdpa(kv_heads, group, head_dim, v_dim, partitions):
+    case = decode_case(LENS, kv_heads, group, head_dim, v_dim, None, latent=True)
+    assert case["v"].data_ptr() == case["k"].data_ptr()
     check(case, run_case(case, CPU, partitions=partitions), tol=1e-5)
 
 
@@ -155,6 +174,15 @@ def test_without_triton_the_module_imports_and_is_unavailable(monkeypatch):
 ])
 def test_decode_matches_sdpa_on_cuda(kv_heads, group, head_dim, v_dim, dtype, tol, window, partitions):
     case = decode_case(LENS, kv_heads, group, head_dim, v_dim, window, dtype)
+    check(case, run_case(case, torch.device("cuda"), partitions=partitions), tol)
+
+
+@needs_cuda
+# DeepSeek-V3's shapes: 128 heads on a latent of 512 + 64 rope numbers, the value its first 512
+@pytest.mark.parametrize("kv_heads, group, head_dim, v_dim", LATENT_SHAPES + [(1, 128, 576, 512)])
+@pytest.mark.parametrize("dtype, tol, partitions", [(torch.float32, 1e-5, None), (torch.bfloat16, 2e-2, 3)])
+def test_latent_decode_matches_sdpa_on_cuda(kv_heads, group, head_dim, v_dim, dtype, tol, partitions):
+    case = decode_case(LENS, kv_heads, group, head_dim, v_dim, None, dtype, latent=True)
     check(case, run_case(case, torch.device("cuda"), partitions=partitions), tol)
 
 

@@ -34,8 +34,13 @@ from tandem.kv.attention import AttentionMetadata, slots_of
 from tandem.kv.cache import KVCache
 from tandem.kv.tiered import LayerKV, StepAttention
 from tandem.model.attention import Attention
+from tandem.model.deepseek_attention import MlaAttention
 from tandem.model.model import CausalLM
 
+# Attention whose decode steps launch fixed shapes and never wait on the host: grouped-query
+# attention, and MLA's absorbed form (tandem.model.deepseek_mla.absorbed_decode), both through the
+# Triton decode kernel.
+GRAPHED_ATTENTION = (Attention, MlaAttention)
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 MAX_GRAPH_BATCH = BATCH_SIZES[-1]  # larger decode batches run eagerly: launches matter less there
 
@@ -52,8 +57,8 @@ def unsupported_reason(model: CausalLM, cache: KVCache) -> str | None:
         return "the compute device is not CUDA"
     if not triton_attention.available(cache.device):
         return "Triton is not installed (the graphed decode attention is a Triton kernel)"
-    if any(not isinstance(layer.self_attn, Attention) for layer in model.model.layers):
-        return "the model's attention is not grouped-query attention (MLA runs eagerly)"
+    if any(not isinstance(layer.self_attn, GRAPHED_ATTENTION) for layer in model.model.layers):
+        return "the model's attention has no graphed decode path"
     if cache.block_size & (cache.block_size - 1):
         return f"the KV block size {cache.block_size} is not a power of two"
     return None

@@ -91,19 +91,25 @@ class CpuExpertExecutor:
             raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
         self.threads = threads or available_cores()
         torch.set_num_threads(self.threads)
-        self.quant = quant
+        self.quant, self.group_size = quant, group_size
         self.prefill_tokens = prefill_tokens
         self.native = None if kernel == "torch" else native.load_kernel()
         if kernel == "native" and self.native is None:
             raise RuntimeError(f"native expert kernel unavailable: {native.unavailable_reason()}")
-        self.layers = {i: prepare_layer(w, quant, group_size, torch_decode=self.native is None)
-                       for i, w in layers.items()}
+        self.layers: dict[int, PreparedLayer] = {}
+        for i, w in layers.items():
+            self.add_layer(i, w)
         self._local = threading.local()
 
     @property
     def kernel(self) -> str:
         """"native" or "torch": what decode-shaped batches actually run on."""
         return "torch" if self.native is None else "native"
+
+    def add_layer(self, layer: int, weights: ExpertWeights) -> None:
+        """Serve `layer` from `weights`, converted now to this executor's storage: a loader hands
+        layers over one at a time and drops each, so at most one is held unquantized."""
+        self.layers[layer] = prepare_layer(weights, self.quant, self.group_size, torch_decode=self.native is None)
 
     def replace_weights(self, layer: int, gate_up: Stored, down: Stored) -> None:
         """Serve `layer` from these stored weights, of the same format and values as its own (a copy

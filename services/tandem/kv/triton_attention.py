@@ -29,6 +29,7 @@ LOG2E = 1.4426950408889634  # the kernels take exp2: exp(x) = exp2(x * log2(e))
 MAX_PARTITIONS = 64  # key ranges one sequence's attention is split into, at most
 PROGRAMS_PER_SM = 4  # decode programs the default partitioning aims for
 WRITE_CHUNK = 1024  # entry elements one write_kv program copies
+DOT_TILE = 16  # query heads of one KV head from which a program's scores are a matrix product (tl.dot)
 
 
 def available(device: torch.device | str) -> bool:
@@ -43,10 +44,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     [blocks, block_size, Hkv, Dv] (views with any strides); block_tables [B, max_blocks] int64;
     seq_lens [B] int64 keys per sequence, the new token's included -> [B, H, Dv] in q's dtype.
 
-    Query head h reads KV head h // (H // Hkv). A sequence attends its last `sliding_window` keys
-    when that is positive, else all of them. A row with seq_len 0 is padding: zeros, no cache read.
-    Each sequence's keys are split into `partitions` ranges scored in parallel and then combined
-    (flash-decoding); by default enough to fill the GPU, a number fixed by B and Hkv alone. `out`,
+    Query head h reads KV head h // (H // Hkv); groups of DOT_TILE heads or more (MLA: every head
+    on one latent) are scored in tiles of DOT_TILE heads by matrix products. A sequence attends its
+    last `sliding_window` keys when that is positive, else all of them. A row with seq_len 0 is
+    padding: zeros, no cache read. Each sequence's keys are split into `partitions` ranges scored in
+    parallel and then combined (flash-decoding); by default enough to fill the GPU, a number fixed
+    by B, Hkv and H alone. `out`,
     when given ([B, H, Dv], any strides), is written in place and returned. Raises ValueError for
     a block size that is not a power of two (callers fall back to torch).
     """
@@ -59,20 +62,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
     if out is None:
         out = q.new_empty(batch, heads, v_dim)
-    parts = partitions or _partitions(batch * kv_heads, q.device)
     group = heads // kv_heads
+    # A large group (MLA's heads on its one latent) is cut into tiles of query heads, each a matrix
+    # product against the keys; a small one (grouped-query attention) is one broadcast tile.
+    dot = group >= DOT_TILE
+    tile = DOT_TILE if dot else _pad(group)
+    tiles = -(-group // tile)
+    parts = partitions or _partitions(batch * kv_heads * tiles, q.device)
     # ranges' partial results, combined by a second kernel: [B, H, parts] and [B, H, parts, Dv]
     part_max = part_sum = part_acc = out  # unread placeholders: one range writes `out` itself
     if parts > 1:
         part_max, part_sum = torch.empty(2, batch, heads, parts, device=q.device, dtype=torch.float32)
         part_acc = torch.empty(batch, heads, parts, v_dim, device=q.device, dtype=torch.float32)
     interpreted = q.device.type == "cpu"
-    _kernel(_decode_kernel, interpreted)[(batch, kv_heads, parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc, scale * LOG2E,
+    _kernel(_decode_kernel, interpreted)[(batch, kv_heads * tiles, parts)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc, scale * LOG2E, heads,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_SIZE=block_size, SLIDING_WINDOW=max(sliding_window, 0),
-        PARTS=parts, GROUP_PAD=_pad(group), D_PAD=_pad(head_dim), DV_PAD=_pad(v_dim),
-        **_step(_pad(group) * _pad(max(head_dim, v_dim))))
+        PARTS=parts, TILES=tiles, TILE=tile, DOT=dot, D_PAD=_pad(head_dim), DV_PAD=_pad(v_dim),
+        **_step(tile, _pad(max(head_dim, v_dim)), dot))
     if parts > 1:
         _kernel(_combine_kernel, interpreted)[(batch, heads)](
             out, part_max, part_sum, part_acc, *out.stride(),
@@ -108,10 +116,14 @@ def _partitions(programs: int, device: torch.device) -> int:
     return min(MAX_PARTITIONS, _pad(-(-PROGRAMS_PER_SM * _sm_count(device) // programs)))
 
 
-def _step(work: int) -> dict:
-    """Keys a loop step and warps a program, for `work` numbers in one key's products (group x D).
-    About 16K products a step on two warps ran fastest on H100 for groups of 1 to 8."""
-    return dict(KEYS=max(16, min(64, 16384 // work)), num_warps=2)
+def _step(tile: int, width: int, dot: bool) -> dict:
+    """Keys a loop step and warps a program, for a tile of `tile` query heads and keys of `width`
+    (padded) numbers. Broadcast tiles: about 16K products a step on two warps ran fastest on H100
+    for groups of 1 to 8. Matrix-product tiles keep a [tile, width] query and a [keys, width] key
+    block in registers: 16 keys a step and more warps for wide keys (MLA's 576)."""
+    if dot:
+        return dict(KEYS=16 if width >= 512 else 32, num_warps=8 if width >= 512 else 4)
+    return dict(KEYS=max(16, min(64, 16384 // (tile * width))), num_warps=2)
 
 
 @functools.cache
@@ -186,16 +198,19 @@ def _patch_lang_tensor(patch, tensor, scope):
 # The kernels below are plain functions, wrapped by `_kernel`: `tl` is only looked up when they run.
 
 def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc, scale_log2,
+                   num_heads,
                    stride_qb, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
                    stride_tb, stride_tn, stride_len, stride_ob, stride_oh, stride_od,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   SLIDING_WINDOW: tl.constexpr, PARTS: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   D_PAD: tl.constexpr, DV_PAD: tl.constexpr, KEYS: tl.constexpr):
-    # One program per (sequence, KV head, key range): the group's query heads share each K/V load.
+                   SLIDING_WINDOW: tl.constexpr, PARTS: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr,
+                   DOT: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, KEYS: tl.constexpr):
+    # One program per (sequence, KV head's tile of query heads, key range): the tile's heads share
+    # each K/V load.
     seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
+    kv_head = (tl.program_id(1) // TILES).to(tl.int64)
+    tile = tl.program_id(1) % TILES
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq * stride_len)
     if SLIDING_WINDOW > 0:
@@ -207,7 +222,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
     lo = first_key + part * per_part
     hi = tl.minimum(lo + per_part, seq_len)
 
-    rows = tl.arange(0, GROUP_PAD)  # [G]
+    rows = tile * TILE + tl.arange(0, TILE)  # [G] the tile's heads within the group
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, D_PAD)  # [D]
     v_dims = tl.arange(0, DV_PAD)  # [Dv]
@@ -217,9 +232,9 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
                      mask=q_ok, other=0.0).to(tl.float32) * scale_log2  # [G, D]
 
     # online softmax in base 2: running max, running sum, weighted values
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # [G]
-    total = tl.zeros([GROUP_PAD], tl.float32)  # [G]
-    acc = tl.zeros([GROUP_PAD, DV_PAD], tl.float32)  # [G, Dv]
+    m = tl.full([TILE], float("-inf"), tl.float32)  # [G]
+    total = tl.zeros([TILE], tl.float32)  # [G]
+    acc = tl.zeros([TILE, DV_PAD], tl.float32)  # [G, Dv]
     # Every step holds at least one key (its first), so m is finite after it.
     for start in range(lo, hi, KEYS):
         pos = start + offsets  # [S]
@@ -229,7 +244,10 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
         v_rows = block_ids * stride_vb + (pos % BLOCK_SIZE) * stride_vs  # [S]
         k = tl.load(k_cache + k_rows[:, None] + kv_head * stride_kh + dims[None, :] * stride_kd,
                     mask=key_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0).to(tl.float32)  # [S, D]
-        scores = tl.sum(q_tile[:, None, :] * k[None, :, :], axis=2)  # [G, S]
+        if DOT:  # float32 products in full precision (no TF32), as the broadcast form computes them
+            scores = tl.dot(q_tile, tl.trans(k), input_precision="ieee")  # [G, S]
+        else:
+            scores = tl.sum(q_tile[:, None, :] * k[None, :, :], axis=2)  # [G, S]
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # [G]
         rescale = tl.exp2(m - m_new)  # [G]
@@ -237,7 +255,10 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
         v = tl.load(v_cache + v_rows[:, None] + kv_head * stride_vh + v_dims[None, :] * stride_vd,
                     mask=key_ok[:, None] & (v_dims[None, :] < V_DIM), other=0.0).to(tl.float32)  # [S, Dv]
         total = total * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [G, Dv]
+        if DOT:
+            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")  # [G, Dv]
+        else:
+            acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [G, Dv]
         m = m_new
 
     head_ok = rows < GROUP
@@ -246,7 +267,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
         tl.store(out + seq * stride_ob + heads[:, None] * stride_oh + v_dims[None, :] * stride_od,
                  result.to(out.dtype.element_ty), mask=head_ok[:, None] & (v_dims[None, :] < V_DIM))
     else:
-        part_row = (seq * tl.num_programs(1) * GROUP + heads) * PARTS + part  # [G] into [B, H, PARTS]
+        part_row = (seq * num_heads + heads) * PARTS + part  # [G] into [B, H, PARTS]
         tl.store(part_max + part_row, m, mask=head_ok)
         tl.store(part_sum + part_row, total, mask=head_ok)
         tl.store(part_acc + part_row[:, None] * V_DIM + v_dims[None, :], acc,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.kv.attention import AttentionMetadata, gather_kv, shared_kv_head_attention
+from tandem.kv.attention import AttentionMetadata, gather_kv, paged_attention, shared_kv_head_attention
 from tandem.model.deepseek_config import MlaDims
 
 
@@ -27,7 +27,11 @@ def paged_latent_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torc
     """q_nope [T, H, nope], q_pe [T, H, rope] (roped), cache [blocks, block_size, r + rope] -> [T, H, v].
 
     Sequences with one new token (decodes) take the absorbed form, the others the expanded form.
+    A step of decodes only (one token per sequence: its shapes say so) takes the absorbed form
+    without looking at the data, so a CUDA graph can capture it.
     """
+    if meta.query_index.shape[1] == 1:
+        return absorbed_decode(q_nope, q_pe, cache, meta, kv_b_weight, dims)
     t, h = q_nope.shape[:2]
     out = q_nope.new_empty(t, h, dims.v_head_dim)  # [T, H, v]
     single = meta.query_valid.sum(dim=1) == 1  # [B]
@@ -82,6 +86,16 @@ def absorbed_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight
                                    dims.softmax_scale)  # [B, H, Q, r]
     out = out.transpose(1, 2)[meta.query_valid]  # [t, H, r]
     return unabsorb_output(out, kv_b_weight, dims)  # [t, H, v]
+
+
+def absorbed_decode(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:
+    """`absorbed_attention` for one token per sequence, through `paged_attention`: on CUDA the
+    Triton decode kernel (every head on the latent as one KV head, its first r numbers the value),
+    which reads the blocks in place and which a CUDA graph captures."""
+    q = absorb_query(q_nope, q_pe, kv_b_weight, dims)  # [T, H, r + rope]
+    latent = cache[:, :, None]  # [blocks, block_size, 1, r + rope]: one KV head for all
+    out = paged_attention(q, latent, latent[..., : dims.kv_lora_rank], meta, dims.softmax_scale)  # [T, H, r]
+    return unabsorb_output(out, kv_b_weight, dims)  # [T, H, v]
 
 
 def expanded_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:

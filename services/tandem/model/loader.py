@@ -98,38 +98,73 @@ def is_expert_tensor(name: str) -> bool:
 
 
 class ExpertCollector:
-    """Gathers per-expert tensors and stacks them per layer as [E, 2I, H] and [E, H, I]."""
+    """Gathers one MoE layer's routed-expert tensors and, as soon as the last of them arrives, stacks
+    them as [E, 2I, H] and [E, H, I] and hands the layer to `on_layer(layer, weights)`.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        self.cfg, self.dtype = cfg, dtype
+    Only the layers still incomplete are held (checkpoints list a layer's tensors together, so
+    normally one): the whole model's experts unquantized would not fit where their int4 copy does.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, on_layer: Callable[[int, ExpertWeights], None]):
+        self.cfg, self.dtype, self.on_layer = cfg, dtype, on_layer
         self.parts: dict[int, dict] = defaultdict(dict)
+        self.done: set[int] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if m := _EXPERT_KEY.match(name):
-            layer, expert, proj = int(m[1]), int(m[2]), _PROJ[m[3]]
-            self.parts[layer][(proj, expert)] = tensor.to(self.dtype)
+            layer, key = int(m[1]), (_PROJ[m[3]], int(m[2]))
+            if key[1] >= self.cfg.num_experts:
+                raise ModelError(f"{name}: expert {key[1]}, but the config has {self.cfg.num_experts} experts")
         elif m := _STACKED_KEY.match(name):
-            self.parts[int(m[1])][m[2]] = tensor.to(self.dtype)
+            layer, key = int(m[1]), m[2]
+        else:
+            return
+        if not self.cfg.is_moe_layer(layer):
+            return
+        parts = self.parts[layer]
+        parts[key] = tensor.to(self.dtype)
+        if self._complete(parts):
+            del self.parts[layer]
+            self.done.add(layer)
+            self.on_layer(layer, self._stack(layer, parts))
 
-    def build(self) -> dict[int, ExpertWeights]:
-        layers = {}
+    def finish(self) -> None:
+        """Raise for the first MoE layer whose routed experts did not all arrive."""
         for layer in self.cfg.moe_layers:
+            if layer in self.done:
+                continue
             parts = self.parts.get(layer)
             if not parts:
                 raise ModelError(f"checkpoint has no routed-expert weights for MoE layer {layer}")
-            if "gate_up_proj" in parts:
-                layers[layer] = ExpertWeights(parts["gate_up_proj"].contiguous(), parts["down_proj"].contiguous())
-                continue
-            experts = range(self.cfg.num_experts)
-            try:
-                gate = torch.stack([parts[("gate", e)] for e in experts])  # [E, I, H]
-                up = torch.stack([parts[("up", e)] for e in experts])  # [E, I, H]
-                down = torch.stack([parts[("down", e)] for e in experts])  # [E, H, I]
-            except KeyError as e:
-                raise ModelError(f"layer {layer}: missing expert tensor {e.args[0]}") from None
-            layers[layer] = ExpertWeights(torch.cat([gate, up], dim=1).contiguous(), down.contiguous())
-            parts.clear()  # free the unstacked copies as we go
-        return layers
+            raise ModelError(f"layer {layer}: missing expert tensor {self._missing(parts)[0]}")
+
+    def _complete(self, parts: dict) -> bool:
+        if "gate_up_proj" in parts or "down_proj" in parts:
+            return not self._missing(parts)
+        return len(parts) == 3 * self.cfg.num_experts  # the keys are (proj, expert < E): no need to list them
+
+    def _missing(self, parts: dict) -> list:
+        if "gate_up_proj" in parts or "down_proj" in parts:
+            return [k for k in ("gate_up_proj", "down_proj") if k not in parts]
+        experts = range(self.cfg.num_experts)
+        return [(proj, e) for proj in ("gate", "up", "down") for e in experts if (proj, e) not in parts]
+
+    def _stack(self, layer: int, parts: dict) -> ExpertWeights:
+        if "gate_up_proj" in parts:
+            return ExpertWeights(parts.pop("gate_up_proj").contiguous(), parts.pop("down_proj").contiguous())
+        # Copy into the stacked tensors expert by expert, freeing each part as it lands, so a layer
+        # costs its own size once rather than parts + stack + concatenation.
+        e, i, h = self.cfg.num_experts, self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        gate_up = torch.empty(e, 2 * i, h, dtype=self.dtype)  # [E, 2I, H]
+        down = torch.empty(e, h, i, dtype=self.dtype)  # [E, H, I]
+        for expert in range(e):
+            for proj, rows in (("gate", gate_up[expert, :i]), ("up", gate_up[expert, i:]), ("down", down[expert])):
+                part = parts.pop((proj, expert))
+                if part.shape != rows.shape:
+                    raise ModelError(f"layer {layer} expert {expert} {proj}: checkpoint shape {tuple(part.shape)} "
+                                     f"!= expected {tuple(rows.shape)}")
+                rows.copy_(part)
+        return ExpertWeights(gate_up, down)
 
 
 def _model_key(name: str) -> str:
@@ -154,7 +189,10 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     device = torch.device(device)
     if experts_gguf is not None and executor is None:
         _check_gguf_args(cfg, expert_quant)
-    collector = ExpertCollector(cfg, dtype) if executor is None and cfg.is_moe and experts_gguf is None else None
+    collector = None
+    if executor is None and cfg.is_moe and experts_gguf is None:
+        executor, add_layer = _empty_executor(expert_threads, expert_quant)
+        collector = ExpertCollector(cfg, dtype, add_layer)
     with torch.device("meta"):
         model = CausalLM(cfg, executor)
     model = model.to_empty(device=device).to(dtype)
@@ -181,11 +219,10 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    if collector is not None:
+        collector.finish()
     if executor is None and cfg.is_moe:
-        if experts_gguf is not None:
-            executor = _gguf_executor(cfg, experts_gguf, expert_threads)
-        else:
-            executor = _make_executor(collector.build(), expert_threads, expert_quant)
+        executor = _gguf_executor(cfg, experts_gguf, expert_threads)
         for layer in model.model.layers:
             if hasattr(layer.mlp, "executor"):
                 layer.mlp.executor = executor
@@ -204,27 +241,43 @@ def _keep_float32(model: torch.nn.Module) -> None:
 
 
 def load_expert_weights(model_dir: str | Path, dtype=None) -> dict[int, ExpertWeights]:
-    """Only the routed-expert weights: what the experts process of the split deployment holds."""
+    """Only the routed-expert weights, unquantized, all layers at once."""
     model_dir = Path(model_dir)
-    cfg = load_config(model_dir)
-    if not cfg.is_moe:
-        raise ModelError(f"{cfg.architecture} has no routed experts to serve")
-    collector = ExpertCollector(cfg, resolve_dtype(cfg, dtype))
-    for name, tensor in checkpoint_tensors(model_dir, cfg, "loading experts"):
-        if is_expert_tensor(name):
-            collector.add(name, tensor)
-    return collector.build()
+    layers = {}
+    _load_experts(model_dir, _experts_config(model_dir), dtype, layers.__setitem__)
+    return layers
 
 
 def build_expert_executor(model_dir: str | Path, *, dtype=None, threads: int | None = None,
                           quant: str = "none", experts_gguf: str | Path | None = None) -> ExpertExecutor:
     """The routed experts of the checkpoint (or, with `experts_gguf`, of that GGUF file for the
-    checkpoint's config) in an in-process executor."""
+    checkpoint's config) in an in-process executor: what the experts process of the split
+    deployment holds. Each layer goes into the executor as soon as it is read."""
+    model_dir = Path(model_dir)
     if experts_gguf is None:
-        return _make_executor(load_expert_weights(model_dir, dtype), threads, quant)
-    cfg = load_config(Path(model_dir))
+        cfg = _experts_config(model_dir)
+        executor, add_layer = _empty_executor(threads, quant)
+        _load_experts(model_dir, cfg, dtype, add_layer)
+        return executor
+    cfg = load_config(model_dir)
     _check_gguf_args(cfg, quant)
     return _gguf_executor(cfg, experts_gguf, threads)
+
+
+def _experts_config(model_dir: Path) -> ModelConfig:
+    cfg = load_config(model_dir)
+    if not cfg.is_moe:
+        raise ModelError(f"{cfg.architecture} has no routed experts to serve")
+    return cfg
+
+
+def _load_experts(model_dir: Path, cfg: ModelConfig, dtype, on_layer: Callable[[int, ExpertWeights], None]) -> None:
+    """Read only the routed-expert weights, handing each MoE layer to `on_layer` once it is complete."""
+    collector = ExpertCollector(cfg, resolve_dtype(cfg, dtype), on_layer)
+    for name, tensor in checkpoint_tensors(model_dir, cfg, "loading experts"):
+        if is_expert_tensor(name):
+            collector.add(name, tensor)
+    collector.finish()
 
 
 def _check_gguf_args(cfg: ModelConfig, expert_quant: str) -> None:
@@ -249,10 +302,15 @@ def _gguf_executor(cfg: ModelConfig, path: str | Path, threads: int | None) -> E
         if tuple(w.gate_up.shape) != (e, 2 * i, h):
             raise ModelError(f"{path}: layer {layer} has {w.gate_up.shape[0]} experts of [{w.gate_up.shape[1] // 2}, "
                              f"{w.gate_up.shape[2]}] (gate), the checkpoint {e} of [{i}, {h}]")
-    return _make_executor(layers, threads, gguf_quant(layers))
+    executor, add_layer = _empty_executor(threads, gguf_quant(layers))
+    for layer, w in layers.items():
+        add_layer(layer, w)
+    return executor
 
 
-def _make_executor(layers: dict[int, ExpertWeights], threads: int | None, quant: str) -> ExpertExecutor:
+def _empty_executor(threads: int | None, quant: str) -> tuple[ExpertExecutor, Callable[[int, ExpertWeights], None]]:
+    """An in-process executor with no layers yet, and the function that adds one: the CPU executor
+    converts (quantizes) it there, so the caller need not keep the layer's own weights."""
     try:
         from tandem.experts.factory import make_expert_executor
     except ImportError:
@@ -260,5 +318,7 @@ def _make_executor(layers: dict[int, ExpertWeights], threads: int | None, quant:
 
         if quant != "none":
             raise ModelError(f"expert quantization {quant!r} is not available in this build") from None
-        return TorchExpertExecutor(layers, threads)
-    return make_expert_executor(layers, threads=threads, quant=quant)
+        layers = {}
+        return TorchExpertExecutor(layers, threads), layers.__setitem__
+    executor = make_expert_executor({}, threads=threads, quant=quant)
+    return executor, executor.add_layer
