@@ -13,6 +13,12 @@ share one KV head); `native` is torch.ops.tandem.paged_decode_attention (reads K
 place). `paged_attention` picks native up to 16 query heads per KV head. Also prints the KV bytes
 each call must read, the GB/s that makes, and the native kernel's ns per (query head, token).
 
+With --device cuda the same comparison runs on the GPU, `native` then being the Triton decode
+kernel (tandem.kv.triton_attention) that CUDA graphs capture, bfloat16 as served there:
+
+    python benchmarks/decode_attention.py --device cuda --heads 128 --kv-heads 1 --head-dim 576 \
+        --value-dim 512 --batch 8 --contexts 512,4096,16384
+
 Each figure is the median over --rounds rounds (torch and native alternate round by round) of
 the mean call in a round. By default the same KV is read every call, so short contexts stay in
 cache; --cold gives every call another sequence's blocks from a pool of at least 512 MB, so the
@@ -34,16 +40,19 @@ from tandem.kv.attention import AttentionMetadata, native_decode_attention, sdpa
 BS = 16
 
 
-def timed(fns: list, reps: int, rounds: int) -> list[float]:
-    """Seconds a call of each fn (fn(i) is call i), the median of `rounds` rounds that alternate the fns."""
+def timed(fns: list, reps: int, rounds: int, sync=lambda: None) -> list[float]:
+    """Seconds a call of each fn (fn(i) is call i), the median of `rounds` rounds that alternate the fns;
+    `sync` waits for the device's queued work before the clock is read."""
     for fn in fns:
         fn(0)
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for fn, t in zip(fns, times):
+            sync()
             start = time.perf_counter()
             for i in range(reps):
                 fn(i)
+            sync()
             t.append((time.perf_counter() - start) / reps)
     return [statistics.median(t) for t in times]
 
@@ -59,11 +68,15 @@ def main() -> None:
     ap.add_argument("--threads", default="2", help="thread counts, comma-separated")
     ap.add_argument("--cold", action="store_true", help="KV from RAM: every call reads other blocks")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--json")
     args = ap.parse_args()
-    kernel = native_decode_attention()
-    if kernel is None:
-        raise SystemExit("the native kernel is not built (python -m tandem.experts.build)")
+    if args.device == "cuda":
+        from tandem.kv.triton_attention import paged_decode_attention as kernel
+    else:
+        kernel = native_decode_attention()
+        if kernel is None:
+            raise SystemExit("the native kernel is not built (python -m tandem.experts.build)")
     rows = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
@@ -77,24 +90,26 @@ def main() -> None:
 
 def measure(kernel, ctx: int, threads: int, args) -> dict:
     per_seq = -(-ctx // BS)
-    kv_bytes = (1 if args.value_dim else 2) * args.batch * ctx * args.kv_heads * args.head_dim * 4
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kv_bytes = (1 if args.value_dim else 2) * args.batch * ctx * args.kv_heads * args.head_dim * dtype.itemsize
     sets = min(256, -(-512_000_000 // kv_bytes)) if args.cold else 1  # sets of sequences, one a call
     blocks = per_seq * args.batch * sets
     perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()
-    k = torch.randn(blocks, BS, args.kv_heads, args.head_dim)
-    v = k[..., :args.value_dim] if args.value_dim else torch.randn(blocks, BS, args.kv_heads, args.head_dim)
-    q = torch.randn(args.batch, args.heads, args.head_dim)
+    k = torch.randn(blocks, BS, args.kv_heads, args.head_dim, dtype=dtype, device=device)
+    v = (k[..., :args.value_dim] if args.value_dim
+         else torch.randn(blocks, BS, args.kv_heads, args.head_dim, dtype=dtype, device=device))
+    q = torch.randn(args.batch, args.heads, args.head_dim, dtype=dtype, device=device)
     metas = []
     for s in range(sets):
         tables = [perm[(s * args.batch + i) * per_seq:(s * args.batch + i + 1) * per_seq] for i in range(args.batch)]
-        metas.append(AttentionMetadata.build([ctx - 1] * args.batch, [1] * args.batch, tables, BS,
-                                             torch.device("cpu")))
+        metas.append(AttentionMetadata.build([ctx - 1] * args.batch, [1] * args.batch, tables, BS, device))
     reps = max(sets, 5, 20000 // ctx)
     t_torch, t_native = timed([
         lambda i: sdpa_paged_attention(q, k, v, metas[i % sets], 0.1),
         lambda i: kernel(q, k, v, metas[i % sets].block_tables, metas[i % sets].seq_lens, 0.1, 0),
-    ], reps, args.rounds)
-    row = {"context": ctx, "threads": threads, "cold": args.cold, "torch_us": t_torch * 1e6,
+    ], reps, args.rounds, torch.cuda.synchronize if device.type == "cuda" else lambda: None)
+    row = {"context": ctx, "threads": threads, "device": args.device, "cold": args.cold, "torch_us": t_torch * 1e6,
            "native_us": t_native * 1e6, "speedup": t_torch / t_native, "kv_mb": kv_bytes / 1e6,
            "native_gb_s": kv_bytes / t_native / 1e9,
            "native_ns_per_head_token": t_native * 1e9 / (args.batch * args.heads * ctx)}

@@ -80,7 +80,7 @@ def greedy(engine, prompts, n=NEW_TOKENS):
 
 # DeepSeek-V3's MLA with 16 heads: the Triton kernel scores them on the latent in a matrix-product tile
 ARCHS = {"mixtral": {}, "qwen2_moe": {}, "llama": {}, "deepseek_v3": {},
-         "deepseek_v3_16_heads": {"num_attention_heads": 16}}
+         "deepseek_v3_16_heads": {"num_attention_heads": 16, "num_key_value_heads": 16}}
 
 
 @cuda

@@ -65,7 +65,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     # A large group (MLA's heads on its one latent) is cut into tiles of query heads, each a matrix
     # product against the keys; a small one (grouped-query attention) is one broadcast tile.
-    dot = group >= DOT_TILE
+    dot = group >= DOT_TILE and min(head_dim, v_dim) >= 16  # tl.dot's operands: 16 or more a side
     tile = DOT_TILE if dot else _pad(group)
     tiles = -(-group // tile)
     parts = partitions or _partitions(batch * kv_heads * tiles, q.device)
@@ -80,6 +80,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_SIZE=block_size, SLIDING_WINDOW=max(sliding_window, 0),
         PARTS=parts, TILES=tiles, TILE=tile, DOT=dot, D_PAD=_pad(head_dim), DV_PAD=_pad(v_dim),
+        D_MAIN=_main(head_dim), D_REST=_rest(head_dim), ROUND=_tl_dtype(v_cache.dtype),
+        # Triton 3.6's interpreter multiplies bf16 operands of tl.dot as their bit patterns: float32 there
+        OPERAND=tl.float32 if interpreted else _tl_dtype(v_cache.dtype),
         **_step(tile, _pad(max(head_dim, v_dim)), dot))
     if parts > 1:
         _kernel(_combine_kernel, interpreted)[(batch, heads)](
@@ -119,11 +122,27 @@ def _partitions(programs: int, device: torch.device) -> int:
 def _step(tile: int, width: int, dot: bool) -> dict:
     """Keys a loop step and warps a program, for a tile of `tile` query heads and keys of `width`
     (padded) numbers. Broadcast tiles: about 16K products a step on two warps ran fastest on H100
-    for groups of 1 to 8. Matrix-product tiles keep a [tile, width] query and a [keys, width] key
-    block in registers: 16 keys a step and more warps for wide keys (MLA's 576)."""
+    for groups of 1 to 8. Matrix-product tiles: 32 keys a step on eight warps, which ptxas compiled
+    for sm_90 in 128 registers (four warps spilled more); not yet timed on a GPU."""
     if dot:
-        return dict(KEYS=16 if width >= 512 else 32, num_warps=8 if width >= 512 else 4)
+        return dict(KEYS=32, num_warps=8)
     return dict(KEYS=max(16, min(64, 16384 // (tile * width))), num_warps=2)
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def _main(head_dim: int) -> int:
+    """The largest power of two in `head_dim`: the part of a key a matrix-product tile reads whole."""
+    return 1 << (head_dim.bit_length() - 1)
+
+
+def _rest(head_dim: int) -> int:
+    """The padded width of what `_main` leaves (MLA's 64 rope numbers after 512), 0 for none; at
+    least 16, tl.dot's least."""
+    rest = head_dim - _main(head_dim)
+    return max(_pad(rest), 16) if rest else 0
 
 
 @functools.cache
@@ -205,7 +224,8 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
                    stride_tb, stride_tn, stride_len, stride_ob, stride_oh, stride_od,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SLIDING_WINDOW: tl.constexpr, PARTS: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr,
-                   DOT: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, KEYS: tl.constexpr):
+                   DOT: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_MAIN: tl.constexpr,
+                   D_REST: tl.constexpr, ROUND: tl.constexpr, OPERAND: tl.constexpr, KEYS: tl.constexpr):
     # One program per (sequence, KV head's tile of query heads, key range): the tile's heads share
     # each K/V load.
     seq = tl.program_id(0).to(tl.int64)
@@ -227,9 +247,19 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
     dims = tl.arange(0, D_PAD)  # [D]
     v_dims = tl.arange(0, DV_PAD)  # [Dv]
     offsets = tl.arange(0, KEYS)  # [S]
-    q_ok = (rows[:, None] < GROUP) & (dims[None, :] < HEAD_DIM)
-    q_tile = tl.load(q + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-                     mask=q_ok, other=0.0).to(tl.float32) * scale_log2  # [G, D]
+    q_rows = q + seq * stride_qb + heads[:, None] * stride_qh  # [G, 1]
+    if DOT:
+        # Matrix products of the cache's own dtype into float32 (as flash attention computes), the
+        # key in a power-of-two part and a rest (MLA: 512 + 64), not padded to 1024.
+        main = tl.arange(0, D_MAIN)  # [DM]
+        rest = D_MAIN + tl.arange(0, D_REST)  # [DR]
+        q_main = tl.load(q_rows + main[None, :] * stride_qd, mask=rows[:, None] < GROUP,
+                         other=0.0).to(OPERAND)  # [G, DM]
+        q_rest = tl.load(q_rows + rest[None, :] * stride_qd, mask=(rows[:, None] < GROUP) & (rest[None, :] < HEAD_DIM),
+                         other=0.0).to(OPERAND)  # [G, DR]
+    else:
+        q_ok = (rows[:, None] < GROUP) & (dims[None, :] < HEAD_DIM)
+        q_tile = tl.load(q_rows + dims[None, :] * stride_qd, mask=q_ok, other=0.0).to(tl.float32) * scale_log2  # [G, D]
 
     # online softmax in base 2: running max, running sum, weighted values
     m = tl.full([TILE], float("-inf"), tl.float32)  # [G]
@@ -242,23 +272,31 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
         block_ids = tl.load(block_tables + seq * stride_tb + (pos // BLOCK_SIZE) * stride_tn, mask=key_ok, other=0)
         k_rows = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_ks  # [S]
         v_rows = block_ids * stride_vb + (pos % BLOCK_SIZE) * stride_vs  # [S]
-        k = tl.load(k_cache + k_rows[:, None] + kv_head * stride_kh + dims[None, :] * stride_kd,
-                    mask=key_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0).to(tl.float32)  # [S, D]
-        if DOT:  # float32 products in full precision (no TF32), as the broadcast form computes them
-            scores = tl.dot(q_tile, tl.trans(k), input_precision="ieee")  # [G, S]
+        k_base = k_cache + k_rows[:, None] + kv_head * stride_kh  # [S, 1]
+        if DOT:  # float32 operands in full precision (no TF32)
+            k_main = tl.load(k_base + main[None, :] * stride_kd, mask=key_ok[:, None], other=0.0).to(OPERAND)
+            scores = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")  # [G, S]
+            if D_REST > 0:
+                k_rest = tl.load(k_base + rest[None, :] * stride_kd, mask=key_ok[:, None] & (rest[None, :] < HEAD_DIM),
+                                 other=0.0).to(OPERAND)  # [S, DR]
+                scores += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
+            scores = scores * scale_log2
         else:
+            k = tl.load(k_base + dims[None, :] * stride_kd, mask=key_ok[:, None] & (dims[None, :] < HEAD_DIM),
+                        other=0.0).to(tl.float32)  # [S, D]
             scores = tl.sum(q_tile[:, None, :] * k[None, :, :], axis=2)  # [G, S]
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # [G]
         rescale = tl.exp2(m - m_new)  # [G]
         p = tl.exp2(scores - m_new[:, None])  # [G, S]
         v = tl.load(v_cache + v_rows[:, None] + kv_head * stride_vh + v_dims[None, :] * stride_vd,
-                    mask=key_ok[:, None] & (v_dims[None, :] < V_DIM), other=0.0).to(tl.float32)  # [S, Dv]
+                    mask=key_ok[:, None] & (v_dims[None, :] < V_DIM), other=0.0)  # [S, Dv]
         total = total * rescale + tl.sum(p, axis=1)
-        if DOT:
-            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")  # [G, Dv]
+        if DOT:  # the probabilities rounded to the cache's dtype, as flash attention does
+            acc = acc * rescale[:, None] + tl.dot(p.to(ROUND).to(OPERAND), v.to(OPERAND),
+                                                  input_precision="ieee")  # [G, Dv]
         else:
-            acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [G, Dv]
+            acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # [G, Dv]
         m = m_new
 
     head_ok = rows < GROUP
