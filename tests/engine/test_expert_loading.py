@@ -116,6 +116,38 @@ def test_missing_moe_layer_is_named(mixtral, tmp_path, load):
         load(path, "none")
 
 
+@pytest.mark.parametrize("load", LOADS)
+def test_only_the_tensors_a_process_serves_are_read(mixtral, monkeypatch, load):
+    # The experts process reads the routed experts only; neither reads a layer past the config's
+    # last (DeepSeek-V3's multi-token-prediction layer is a whole MoE layer).
+    read = []
+    real_open = loader.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.f = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return list(self.inner.keys()) + [expert_name(LAYERS, 0, "w1")]  # a layer past the last
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    load(mixtral, "none")
+    names = set(load_file(mixtral / "model.safetensors"))
+    experts = {n for n in names if loader.is_expert_tensor(n)}
+    assert set(read) == (experts if load is experts_only else names) and len(read) == len(set(read))
+
+
 def collect(cfg, items) -> tuple[list[int], dict[int, ExpertWeights], loader.ExpertCollector]:
     order, layers = [], {}
 

@@ -64,6 +64,7 @@ def iter_tensors(model_dir: Path, desc: str, skip: Callable[[str], bool] | None 
     total = sum(f.stat().st_size for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
               disable=total < PROGRESS_MIN_BYTES) as bar:
+        done = 0
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
@@ -72,20 +73,24 @@ def iter_tensors(model_dir: Path, desc: str, skip: Callable[[str], bool] | None 
                     tensor = f.get_tensor(name)
                     bar.update(tensor.numel() * tensor.element_size())
                     yield name, tensor
+            done += path.stat().st_size
+            bar.update(done - bar.n)  # the shard's skipped tensors and header count as passed
 
 
-def checkpoint_tensors(model_dir: Path, cfg: ModelConfig, desc: str, experts: bool = True):
-    """`iter_tensors` as the model sees it: FP8 weights dequantized, layers past the last one skipped;
-    with experts False, the routed experts' tensors (and their FP8 scales) are not read.
+def checkpoint_tensors(model_dir: Path, cfg: ModelConfig, desc: str, experts: bool = True, dense: bool = True):
+    """`iter_tensors` as the model sees it: FP8 weights dequantized, layers past the last one not
+    read; with experts False, the routed experts' tensors (and their FP8 scales) are not read, with
+    dense False everything else is not (what the experts process of the split deployment needs).
 
-    DeepSeek-V3 ships its multi-token-prediction module as `model.layers.{num_hidden_layers}.*`;
-    plain decoding never runs it, so it is neither dequantized nor kept.
+    DeepSeek-V3 ships its multi-token-prediction module as `model.layers.{num_hidden_layers}.*`
+    (a whole MoE layer, 11 GB in fp8); plain decoding never runs it, so it is not read.
     """
     def skip(name: str) -> bool:
-        return not experts and is_expert_tensor(name.removesuffix(SCALE_SUFFIX))
+        if _layer_index(name) >= cfg.num_layers:
+            return True
+        return not (experts if is_expert_tensor(name.removesuffix(SCALE_SUFFIX)) else dense)
 
-    kept = ((name, t) for name, t in iter_tensors(model_dir, desc, skip) if _layer_index(name) < cfg.num_layers)
-    return dequantize_stream(kept, cfg.fp8_block_size)
+    return dequantize_stream(iter_tensors(model_dir, desc, skip), cfg.fp8_block_size)
 
 
 def _layer_index(name: str) -> int:
@@ -274,7 +279,7 @@ def _experts_config(model_dir: Path) -> ModelConfig:
 def _load_experts(model_dir: Path, cfg: ModelConfig, dtype, on_layer: Callable[[int, ExpertWeights], None]) -> None:
     """Read only the routed-expert weights, handing each MoE layer to `on_layer` once it is complete."""
     collector = ExpertCollector(cfg, resolve_dtype(cfg, dtype), on_layer)
-    for name, tensor in checkpoint_tensors(model_dir, cfg, "loading experts"):
+    for name, tensor in checkpoint_tensors(model_dir, cfg, "loading experts", dense=False):
         if is_expert_tensor(name):
             collector.add(name, tensor)
     collector.finish()
