@@ -114,6 +114,15 @@ def test_latent_decode_in_head_tiles_matches_sdpa(kv_heads, group, head_dim, v_d
     check(case, run_case(case, CPU, partitions=partitions), tol)
 
 
+# Grouped-query attention with 16 query heads a KV head (Qwen3-235B: 64 on 4) takes the tiles too,
+# with a key of a power-of-two width: no rest after the main part.
+@pytest.mark.parametrize("kv_heads, group, head_dim, v_dim, latent", [(2, 16, 32, 32, False), (1, 32, 64, 32, True)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_large_groups_with_power_of_two_keys_match_sdpa(kv_heads, group, head_dim, v_dim, latent, dtype, tol):
+    case = decode_case(LENS, kv_heads, group, head_dim, v_dim, None, dtype, latent=latent)
+    check(case, run_case(case, CPU, partitions=2), tol)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("partitions", [1, 2])
 def test_half_precision_accumulates_in_float32(dtype, tol, partitions):
@@ -168,7 +177,8 @@ def test_without_triton_the_module_imports_and_is_unavailable(monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("kv_heads, group, head_dim, v_dim", SHAPES + [(8, 4, 128, 128), (4, 8, 128, 128)])
+@pytest.mark.parametrize("kv_heads, group, head_dim, v_dim", SHAPES + [(8, 4, 128, 128), (4, 8, 128, 128),
+                                                                    (4, 16, 128, 128)])
 @pytest.mark.parametrize("dtype, tol, window, partitions", [
     (torch.float32, 1e-5, None, None),  # None: chosen for the GPU (many, for this small batch)
     (torch.bfloat16, 2e-2, 70, 3),

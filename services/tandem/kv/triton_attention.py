@@ -75,14 +75,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_max, part_sum = torch.empty(2, batch, heads, parts, device=q.device, dtype=torch.float32)
         part_acc = torch.empty(batch, heads, parts, v_dim, device=q.device, dtype=torch.float32)
     interpreted = q.device.type == "cpu"
+    cache_dtype = _tl_dtype(v_cache.dtype)
     _kernel(_decode_kernel, interpreted)[(batch, kv_heads * tiles, parts)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc, scale * LOG2E, heads,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_SIZE=block_size, SLIDING_WINDOW=max(sliding_window, 0),
         PARTS=parts, TILES=tiles, TILE=tile, DOT=dot, D_PAD=_pad(head_dim), DV_PAD=_pad(v_dim),
-        D_MAIN=_main(head_dim), D_REST=_rest(head_dim), ROUND=_tl_dtype(v_cache.dtype),
+        D_MAIN=_main(head_dim), D_REST=_rest(head_dim), ROUND=cache_dtype,
         # Triton 3.6's interpreter multiplies bf16 operands of tl.dot as their bit patterns: float32 there
-        OPERAND=tl.float32 if interpreted else _tl_dtype(v_cache.dtype),
+        OPERAND=tl.float32 if interpreted else cache_dtype,
         **_step(tile, _pad(max(head_dim, v_dim)), dot))
     if parts > 1:
         _kernel(_combine_kernel, interpreted)[(batch, heads)](
@@ -252,11 +253,12 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
         # Matrix products of the cache's own dtype into float32 (as flash attention computes), the
         # key in a power-of-two part and a rest (MLA: 512 + 64), not padded to 1024.
         main = tl.arange(0, D_MAIN)  # [DM]
-        rest = D_MAIN + tl.arange(0, D_REST)  # [DR]
         q_main = tl.load(q_rows + main[None, :] * stride_qd, mask=rows[:, None] < GROUP,
                          other=0.0).to(OPERAND)  # [G, DM]
-        q_rest = tl.load(q_rows + rest[None, :] * stride_qd, mask=(rows[:, None] < GROUP) & (rest[None, :] < HEAD_DIM),
-                         other=0.0).to(OPERAND)  # [G, DR]
+        if D_REST > 0:  # none when the key's width is a power of two
+            rest = D_MAIN + tl.arange(0, D_REST)  # [DR]
+            q_rest = tl.load(q_rows + rest[None, :] * stride_qd,
+                             mask=(rows[:, None] < GROUP) & (rest[None, :] < HEAD_DIM), other=0.0).to(OPERAND)
     else:
         q_ok = (rows[:, None] < GROUP) & (dims[None, :] < HEAD_DIM)
         q_tile = tl.load(q_rows + dims[None, :] * stride_qd, mask=q_ok, other=0.0).to(tl.float32) * scale_log2  # [G, D]
