@@ -280,8 +280,7 @@ def _load_experts(model_dir: Path, cfg: ModelConfig, dtype, on_layer: Callable[[
     """Read only the routed-expert weights, handing each MoE layer to `on_layer` once it is complete."""
     collector = ExpertCollector(cfg, resolve_dtype(cfg, dtype), on_layer)
     for name, tensor in checkpoint_tensors(model_dir, cfg, "loading experts", dense=False):
-        if is_expert_tensor(name):
-            collector.add(name, tensor)
+        collector.add(name, tensor)
     collector.finish()
 
 
