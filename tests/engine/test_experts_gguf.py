@@ -146,9 +146,10 @@ def test_the_kernels_compute_what_the_file_holds(mixed_file):
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
         weights = torch.full((tokens, K), 0.5)
         for layer in want:
-            # int8 activations of the native kernels (~0.5%), fp16 Q4_K scales, int8 rows: under 3%
+            # int8 activations of the native kernels (per 32 values, or per 256 for int4 rows on
+            # AVX2: ~1.3x the rounding), fp16 Q4_K scales, int8 rows: under 4%
             err = rel_err(ex.forward(layer, hidden, ids, weights), exact.forward(layer, hidden, ids, weights))
-            assert 0 < err < 0.03, (tokens, layer, err)
+            assert 0 < err < 0.04, (tokens, layer, err)
 
 
 def test_unreadable_and_incomplete_files_are_refused(tmp_path, mixed_file):

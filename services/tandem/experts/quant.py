@@ -7,6 +7,10 @@ int4 follows llama.cpp's Q4_1 idea: per group of `group_size` weights along K, a
 a minimum (fp16), w = q * scale + min with q in 0..15. Inside each 32-weight block, byte j
 holds weight j in its low nibble and weight j + 16 in its high nibble, so a SIMD kernel
 unpacks one 16-byte load into 32 consecutive weights with an AND and a shift.
+
+The group scales come in one of two forms: fp16 (as quantized, and from GGUF files), or
+integer (`to_integer_scales`): int16 scales over one float32 factor per row, for CPUs without
+vpdpbusd, whose kernel multiplies by integer scales inside its integer dot products.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ QUANTS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
 _INT4_BLOCK = 32  # weights per packed 16-byte block
 _FP16_MAX = 65504.0
+# The largest |int16 group scale| of integer scales: a kernel's int32 lane then adds 256 weights'
+# products (4 x 2 x 7620 x 16383 < 2^31; 7620 = 2 x 2 x 15 x 127, two blocks' halves of u4 x s8 pairs).
+INT4_ISCALE_MAX = 16383
 
 
 @dataclass
@@ -42,7 +49,9 @@ class Int4Weight:
     """Asymmetric int4 weights, group-wise along K: w = q * scale + min, q in 0..15."""
 
     packed: torch.Tensor  # [E, N, K/2] uint8, block layout described in the module docstring
-    scale: torch.Tensor  # [E, N, K/group_size] float16
+    # [E, N, G] float16 (G = K/group_size), or integer scales: [E, N, G + 2] int16, a row's G
+    # scales and then its float32 factor's bytes; a group's scale is then scale[g] * factor
+    scale: torch.Tensor
     min: torch.Tensor  # [E, N, K/group_size] float16
     group_size: int
 
@@ -54,6 +63,17 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale.nbytes + self.min.nbytes
+
+    @property
+    def integer_scales(self) -> bool:
+        return self.scale.dtype == torch.int16
+
+    def group_scales(self) -> torch.Tensor:
+        """The group scales as float32 [E, N, G], whichever form they are stored in."""
+        if not self.integer_scales:
+            return self.scale.float()
+        g = self.scale.shape[-1] - 2
+        return self.scale[..., :g].float() * self.scale[..., g:].contiguous().view(torch.float32)
 
 
 Stored = torch.Tensor | Int8Weight | Int4Weight  # [E, N, K] as the CPU executor stores it
@@ -139,6 +159,20 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
     )
 
 
+def to_integer_scales(w: Int4Weight) -> Int4Weight:
+    """The same codes and minimums with integer group scales: each row's scales rounded to int16
+    multiples of one float32 factor, its largest |scale| / INT4_ISCALE_MAX (relative error under
+    3e-5 of the row's largest scale, far below a 4-bit code's step)."""
+    if w.integer_scales:
+        return w
+    scale = w.scale.float()  # [E, N, G]
+    top = scale.abs().amax(dim=-1, keepdim=True)
+    factor = torch.where(top > 0, top / INT4_ISCALE_MAX, torch.ones_like(top))  # [E, N, 1]
+    isc = torch.round(scale / factor).clamp_(-INT4_ISCALE_MAX, INT4_ISCALE_MAX).to(torch.int16)
+    return Int4Weight(packed=w.packed, scale=torch.cat((isc, factor.view(torch.int16)), dim=-1).contiguous(),
+                      min=w.min, group_size=w.group_size)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Codes 0..15 [E, N, K] uint8 -> packed [E, N, K/2] uint8 in int4's block layout."""
     e, n, k = codes.shape
@@ -158,7 +192,7 @@ def unpack_int4(w: Int4Weight) -> torch.Tensor:
 def dequantize_int4(w: Int4Weight) -> torch.Tensor:
     e, n, k = w.shape
     q = unpack_int4(w).float().reshape(e, n, k // w.group_size, w.group_size)  # [E, N, G, gs]
-    deq = q * w.scale.float()[..., None] + w.min.float()[..., None]
+    deq = q * w.group_scales()[..., None] + w.min.float()[..., None]
     return deq.reshape(e, n, k)
 
 

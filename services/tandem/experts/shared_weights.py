@@ -44,7 +44,7 @@ MANIFEST_SUFFIX = ".json"
 FORMAT_VERSION = 1
 _ALIGN = 4096  # each tensor starts on a page of its own
 _DTYPES = {str(d).removeprefix("torch."): d for d in
-           (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)}
+           (torch.float32, torch.bfloat16, torch.float16, torch.int16, torch.int8, torch.uint8)}
 
 
 class SharedWeightsError(RuntimeError):

@@ -48,7 +48,7 @@ class Int4Linear:
         codes = unpack_int4(w).to(torch.int32)  # [E, N, K]
         self.group_size = w.group_size
         self.packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1) for c in codes]
-        scale = w.scale.float()  # [E, N, G]
+        scale = w.group_scales()  # [E, N, G]
         zero = w.min.float() + 8.0 * scale
         sz = torch.stack((scale, zero), dim=-1).transpose(1, 2)  # [E, G, N, 2]
         self.scales_and_zeros = sz.to(torch.bfloat16).contiguous()

@@ -165,13 +165,17 @@ struct V {
     const __m256i m = _mm256_set1_epi8(0x0F);
     return {_mm256_and_si256(raw, m), _mm256_and_si256(_mm256_srli_epi16(raw, 4), m)};
   }
-  static inline __m256i dot_i4(const I4& u, const int8_t* x) {
-    // u8 x s8 pairs, and the sum of a low pair and the high pair of the same block, fit int16
-    // (2 * 2 * 15 * 127 < 32767): the halves are added before one widening, not after two (on
-    // cores that run 256-bit integer multiplies at half rate, each one saved is 1/4 of the work).
+  // u8 x s8 pairs, and the sum of a low pair and the high pair of the same block, fit int16
+  // (2 * 2 * 15 * 127 < 32767): the halves are added before one widening, not after two (on
+  // cores that run 256-bit integer multiplies at half rate, each one saved is 1/4 of the work).
+  // int16 lanes 8i..8i+7: block i.
+  static inline __m256i sum_i4(const I4& u, const int8_t* x) {
     const __m256i a = _mm256_maddubs_epi16(u.lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
     const __m256i b = _mm256_maddubs_epi16(u.hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
-    return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));  // lanes 4i..4i+3: block i
+    return _mm256_add_epi16(a, b);
+  }
+  static inline __m256i dot_i4(const I4& u, const int8_t* x) {
+    return _mm256_madd_epi16(sum_i4(u, x), _mm256_set1_epi16(1));  // lanes 4i..4i+3: block i
   }
   static inline __m256i dot_i4_q8(const uint8_t* w, const int8_t* x) { return dot_i4(unpack_i4(w), x); }
   static inline T cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
@@ -334,8 +338,13 @@ static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 }
 
 constexpr int kSuper = V::kSuper;
+// int4 rows' activations: weights per Q8 scale. The AVX2 kernel for integer group scales (see
+// dot_int4_iscaled) sums whole 256-blocks in int32, so one activation scale must cover them (as
+// llama.cpp's Q8_K does for its K-quants); elsewhere 32, as Q8_0.
+constexpr int64_t kActBlock = TANDEM_WIDE ? 32 : 256;
 
-// Activations quantized as llama.cpp's Q8_0: int8 per 32-block with an f32 scale d.
+// Activations quantized as llama.cpp's Q8_0: int8 per 32-block with an f32 scale d; for int4
+// rows one scale covers kActBlock weights (the last run shorter), repeated in d for each 32-block.
 // For int4 rows (kind kInt4) q is in superblock order (see V::dot_i4_q8), blocks past the last
 // full superblock in natural order, and xs gets per-group sums (for the minimum term). For int8
 // rows q is in natural order, dexp holds each block scale once per int32 lane of
@@ -344,10 +353,15 @@ static void quantize_act(const float* x, int64_t K, int64_t group, int64_t kind,
                          float* dexp, float* c) {
   const int64_t blocks = K / 32, full = kind == kInt4 ? blocks / kSuper * kSuper : 0;
   const int64_t per_group = group / 32, vec_blocks = (K / V::kI8) * (V::kI8 / 32);
+  const int64_t run = kind == kInt4 ? kActBlock / 32 : 1;  // 32-blocks a scale covers
   if (kind == kInt8) *c = 0.f;
+  float amax = 0.f, inv = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
-    const float amax = V::absmax32(x + b * 32);
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    if (b % run == 0) {
+      amax = 0.f;
+      for (int64_t j = b; j < std::min(blocks, b + run); ++j) amax = std::max(amax, V::absmax32(x + j * 32));
+      inv = amax > 0.f ? 127.f / amax : 0.f;
+    }
     d[b] = amax / 127.f;
     // superblock order for int4 (see V::dot_i4_q8): a block's halves go kSuper * 16 apart
     int8_t* lo = b < full ? q + (b / kSuper) * kSuper * 32 + (b % kSuper) * 16 : q + b * 32;
@@ -446,6 +460,79 @@ static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn
   }
 }
 
+#if !TANDEM_WIDE
+// ---- int4 rows with integer group scales (AVX2) ----
+//
+// Zen 1 to 3 have no vpdpbusd: a superblock's integer dot product is two vpmaddubsw and a
+// vpmaddwd, and with float group scales each row and token then also needs a conversion, a
+// scale product and an FMA per superblock, as much work again. With the group scales as int16
+// (Mat::iscale: a row's scales over a float factor of the row), the vpmaddwd multiplies by the
+// scales itself and the products add up in int32 over a whole activation scale's 256 weights:
+// one conversion and FMA per 256 weights, not per 64. |lanes| stay below 2^31: a 256-block adds
+// 4 superblocks of 2 * 7620 * 16383 at most (see quant.INT4_ISCALE_MAX).
+
+// A row's float factor: the f32 stored in the two int16 after its `groups` scales.
+static inline float iscale_factor(const int16_t* isc, int64_t groups) {
+  float f;
+  std::memcpy(&f, isc + groups, sizeof f);
+  return f;
+}
+
+// The int16 scales of superblock sb's two blocks: block 0's in int16 lanes 0..7, block 1's in 8..15.
+static inline __m256i superblock_iscales(const int16_t* isc, int64_t sb, int shift) {
+  const uint32_t lo = static_cast<uint16_t>(isc[(sb * 2) >> shift]);
+  const uint32_t hi = static_cast<uint16_t>(isc[(sb * 2 + 1) >> shift]);
+  const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  return _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(lo | (hi << 16))), spread);
+}
+
+// res[r * NT + t] = int4 row w[r] (integer scales isc[r], minimums mn[r]) times Q8 activations
+// a[t], for R rows: f * (sum over 256-blocks of d * sum_b isc_g(b) q_b . xq_b) + sum_g min_g xs_g.
+template <int R, int NT>
+static void dot_int4_iscaled(const uint8_t* const* w, const int16_t* const* isc, const uint16_t* const* mn,
+                             int64_t K, int64_t group, const Act* a, float* res) {
+  static_assert(kSuper == 2 && kActBlock == 256, "the AVX2 layout");
+  constexpr int64_t kRun = kActBlock / (32 * kSuper);  // superblocks an activation scale covers
+  const int64_t blocks = K / 32, supers = blocks / kSuper, per_group = group / 32, groups = K / group;
+  const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;  // see dot_int4
+  T acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = V::zero();
+  for (int64_t s0 = 0; s0 < supers; s0 += kRun) {
+    const int64_t s1 = std::min(supers, s0 + kRun);
+    __m256i sum[R][NT];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < NT; ++t) sum[r][t] = _mm256_setzero_si256();
+    for (int64_t sb = s0; sb < s1; ++sb)
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + sb * kSuper * 16) + kPrefetch, _MM_HINT_T0);
+        const __m256i sv = superblock_iscales(isc[r], sb, shift);
+        const V::I4 u = V::unpack_i4(w[r] + sb * kSuper * 16);
+        for (int t = 0; t < NT; ++t)
+          sum[r][t] = _mm256_add_epi32(sum[r][t], _mm256_madd_epi16(V::sum_i4(u, a[t].q + sb * kSuper * 32), sv));
+      }
+    for (int t = 0; t < NT; ++t) {
+      const T dv = V::set1(a[t].d[s0 * kSuper]);  // one scale for the run's blocks
+      for (int r = 0; r < R; ++r) acc[r][t] = V::fma(V::cvt(sum[r][t]), dv, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float f = iscale_factor(isc[r], groups);
+    for (int t = 0; t < NT; ++t) {
+      float tail = 0.f;  // the block past the last superblock, if any, in scale units
+      for (int64_t b = supers * kSuper; b < blocks; ++b) {
+        int32_t dot = 0;
+        for (int j = 0; j < 16; ++j)
+          dot += (w[r][b * 16 + j] & 0x0F) * a[t].q[b * 32 + j] + (w[r][b * 16 + j] >> 4) * a[t].q[b * 32 + 16 + j];
+        tail += static_cast<float>(isc[r][b / per_group]) * a[t].d[b] * static_cast<float>(dot);
+      }
+      res[r * NT + t] = f * (V::sum(acc[r][t]) + tail) + dot_f16(mn[r], a[t].xs, groups);
+    }
+  }
+}
+#endif
+
 template <int NT>
 static void row_tile(const Mat& m, int64_t e, int64_t row, const Act* a, float* res) {
   const int64_t r = e * m.rows + row;
@@ -469,8 +556,16 @@ static void row_tile(const Mat& m, int64_t e, int64_t row, const Act* a, float* 
     }
     case kInt4: {
       const int64_t groups = m.K / m.group;
-      dot_int4<NT>(static_cast<const uint8_t*>(m.data) + r * (m.K / 2), m.scale16 + r * groups,
-                   m.min16 + r * groups, m.K, m.group, a, res);
+      const uint8_t* w = static_cast<const uint8_t*>(m.data) + r * (m.K / 2);
+      const uint16_t* mn = m.min16 + r * groups;
+#if !TANDEM_WIDE
+      if (m.iscale) {
+        const int16_t* isc = m.iscale + r * (groups + 2);
+        dot_int4_iscaled<1, NT>(&w, &isc, &mn, m.K, m.group, a, res);
+        break;
+      }
+#endif
+      dot_int4<NT>(w, m.scale16 + r * groups, mn, m.K, m.group, a, res);
       break;
     }
   }
@@ -689,10 +784,16 @@ static void row_tile4(const RowRef* refs, const Act* a, float* res) {
       const uint16_t* sc[4];
       const uint16_t* mn[4];
       row_ptrs(refs, m.K / 2, w);
-      for (int r = 0; r < 4; ++r) {
-        sc[r] = refs[r].m->scale16 + refs[r].index() * groups;
-        mn[r] = refs[r].m->min16 + refs[r].index() * groups;
+      for (int r = 0; r < 4; ++r) mn[r] = refs[r].m->min16 + refs[r].index() * groups;
+#if !TANDEM_WIDE
+      if (m.iscale) {  // the Mats of one call all store their scales one way (make_mat)
+        const int16_t* isc[4];
+        for (int r = 0; r < 4; ++r) isc[r] = refs[r].m->iscale + refs[r].index() * (groups + 2);
+        dot_int4_iscaled<4, NT>(w, isc, mn, m.K, m.group, a, res);
+        break;
       }
+#endif
+      for (int r = 0; r < 4; ++r) sc[r] = refs[r].m->scale16 + refs[r].index() * groups;
       dot_int4_4<NT>(w, sc, mn, m.K, m.group, a, res);
       break;
     }

@@ -30,6 +30,7 @@ struct Mat {
   const float* scale;      // int8: [E, rows]
   const uint16_t* scale16;  // int4: [E, rows, K / group] fp16
   const uint16_t* min16;    // int4: [E, rows, K / group] fp16
+  const int16_t* iscale;    // int4 with integer scales instead: [E, rows, K / group + 2] (see quant.py)
   int64_t rows, K, group;
   int64_t kind;
 };
@@ -88,10 +89,16 @@ static float weight(const Mat& m, int64_t r, int64_t k) {
     default: {
       const uint8_t byte = static_cast<const uint8_t*>(m.data)[r * (m.K / 2) + (k / 32) * 16 + (k % 16)];
       const int q = (k % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
-      const int64_t g = r * (m.K / m.group) + k / m.group;
+      const int64_t groups = m.K / m.group, g = r * groups + k / m.group;
       c10::Half s, mn;
-      s.x = m.scale16[g];
       mn.x = m.min16[g];
+      if (m.iscale) {  // the group's int16 scale times the row's factor, as quant.py dequantizes
+        const int16_t* row = m.iscale + r * (groups + 2);
+        float f;
+        std::memcpy(&f, row + groups, sizeof f);
+        return q * (static_cast<float>(row[k / m.group]) * f) + static_cast<float>(mn);
+      }
+      s.x = m.scale16[g];
       return q * static_cast<float>(s) + static_cast<float>(mn);
     }
   }
@@ -220,7 +227,7 @@ struct ActRows {
 static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mn, int64_t K,
                     int64_t group) {
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous(), "expert weights must be contiguous [E, N, K]");
-  Mat m{w.data_ptr(), nullptr, nullptr, nullptr, w.size(1), K, group, kind};
+  Mat m{w.data_ptr(), nullptr, nullptr, nullptr, nullptr, w.size(1), K, group, kind};
   switch (kind) {
     case kF32: TORCH_CHECK(w.scalar_type() == at::kFloat && w.size(2) == K, "f32 weights: bad dtype or K"); break;
     case kBF16: TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(2) == K, "bf16 weights: bad dtype or K"); break;
@@ -234,12 +241,20 @@ static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, 
       TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) * 2 == K, "int4 weights: bad dtype or K");
       TORCH_CHECK((group == 32 || group == 64 || group == 128) && K % group == 0,
                   "int4 group size must be 32, 64 or 128 and divide K");
-      TORCH_CHECK(scale.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && scale.is_contiguous() &&
-                      mn.is_contiguous() && scale.numel() == w.size(0) * w.size(1) * (K / group) &&
-                      mn.numel() == scale.numel(),
-                  "int4 scales and mins must be contiguous fp16 [E, N, K / group]");
-      m.scale16 = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+      TORCH_CHECK(mn.scalar_type() == at::kHalf && mn.is_contiguous() && mn.numel() == w.size(0) * w.size(1) * (K / group),
+                  "int4 mins must be contiguous fp16 [E, N, K / group]");
       m.min16 = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
+      if (scale.scalar_type() == at::kShort) {
+        TORCH_CHECK(scale.is_contiguous() && scale.numel() == w.size(0) * w.size(1) * (K / group + 2),
+                    "int4 integer scales must be contiguous int16 [E, N, K / group + 2]");
+        TORCH_CHECK(g_isa != "avx512", "int4 integer scales are for the avx2 and scalar kernels; this call runs avx512 "
+                    "(the executor stores them only where it runs avx2)");
+        m.iscale = scale.data_ptr<int16_t>();
+      } else {
+        TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == mn.numel(),
+                    "int4 scales must be contiguous fp16 [E, N, K / group] or int16 [E, N, K / group + 2]");
+        m.scale16 = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+      }
       break;
     default: TORCH_CHECK(false, "unknown weight kind ", kind);
   }
