@@ -10,6 +10,7 @@ routing walks every expert before coming back to one, so no step is served from 
     python benchmarks/expert_decode.py --json out.json
     python benchmarks/expert_decode.py --kernels native --direct   # the kernel without the executor's Python
     python benchmarks/expert_decode.py --kernels native --direct --formats int4,int8
+    python benchmarks/expert_decode.py --kernels native --direct --formats int4,int4-fp16  # AVX2's integer scales
 
 Not a test: it prints a table (and optionally JSON) for benchmarks/RESULTS.md.
 """
@@ -35,7 +36,8 @@ FORMATS = [  # (label, weights dtype, quant)
     ("f32", torch.float32, "none"),
     ("bf16", torch.bfloat16, "none"),
     ("int8", torch.float32, "int8"),
-    ("int4", torch.float32, "int4"),
+    ("int4", torch.float32, "int4"),  # the executor's storage: integer scales where its kernel runs AVX2
+    ("int4-fp16", torch.float32, "int4"),  # int4 with fp16 scales, as stored before integer scales
 ]
 
 
@@ -47,11 +49,13 @@ def clone_stored(w):
     return w.clone()
 
 
-def build_executor(base: ExpertWeights, dtype, quant: str, kernel: str, working_set: int, threads: int):
+def build_executor(base: ExpertWeights, dtype, quant: str, kernel: str, working_set: int, threads: int,
+                   fp16_scales: bool = False):
     """An executor whose layers are copies of one prepared layer, enough to fill `working_set` bytes."""
     ex = CpuExpertExecutor({}, threads=threads, quant=quant, kernel=kernel)
     src = ExpertWeights(base.gate_up.to(dtype), base.down.to(dtype))
-    first = prepare_layer(src, quant, torch_decode=ex.native is None)
+    first = prepare_layer(src, quant, torch_decode=ex.native is None,
+                          integer_scales=ex._integer_scales() and not fp16_scales)
     per_layer = first.expert_nbytes * first.num_experts
     layers = max(2, math.ceil(working_set / per_layer))
     ex.layers[0] = first
@@ -129,7 +133,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", default="native,torch")
-    ap.add_argument("--formats", default=",".join(f[0] for f in FORMATS), help="comma-separated: f32,bf16,int8,int4")
+    ap.add_argument("--formats", default=",".join(f[0] for f in FORMATS),
+                    help="comma-separated: f32,bf16,int8,int4,int4-fp16 (int4 with fp16 scales)")
     ap.add_argument("--direct", action="store_true", help="native: call the kernel itself, not the executor")
     ap.add_argument("--quick", action="store_true", help="small shapes and few steps: a smoke run")
     ap.add_argument("--json", help="also write the results to this file")
@@ -151,18 +156,19 @@ def main() -> None:
     e, h, i = args.experts, args.hidden, args.intermediate
     base = ExpertWeights(torch.randn(e, 2 * i, h, generator=g) / h**0.5, torch.randn(e, h, i, generator=g) / i**0.5)
     rows = []
-    print(f"{'format':6} {'kernel':7} {'GB/s':>6} {'roofline':>8} {'ms/layer':>9} {'MB/expert':>9}")
+    print(f"{'format':9} {'kernel':7} {'GB/s':>6} {'roofline':>8} {'ms/layer':>9} {'MB/expert':>9}")
     for label, dtype, quant in [f for f in FORMATS if f[0] in args.formats.split(",")]:
         for kernel in args.kernels.split(","):
-            ex = build_executor(base, dtype, quant, kernel, int(args.working_set_gib * (1 << 30)), args.threads)
+            ex = build_executor(base, dtype, quant, kernel, int(args.working_set_gib * (1 << 30)), args.threads,
+                                fp16_scales=label == "int4-fp16")
             if ex.kernel != kernel:
-                print(f"{label:6} {kernel:7} unavailable")
+                print(f"{label:9} {kernel:7} unavailable")
                 continue
             gbs, ms = decode_bandwidth(ex, args.steps, direct=args.direct and kernel == "native")
             mb = ex.layers[0].expert_nbytes / 1e6
             rows.append({"format": label, "kernel": kernel, "gb_per_s": gbs, "roofline": gbs / bw,
                          "ms_per_layer": ms, "mb_per_expert": mb, "layers": len(ex.layers)})
-            print(f"{label:6} {kernel:7} {gbs:6.1f} {gbs / bw:8.0%} {ms:9.3f} {mb:9.2f}")
+            print(f"{label:9} {kernel:7} {gbs:6.1f} {gbs / bw:8.0%} {ms:9.3f} {mb:9.2f}")
             del ex
     if args.json:
         with open(args.json, "w") as f:

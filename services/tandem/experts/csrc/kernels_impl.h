@@ -517,9 +517,28 @@ static void dot_int4_iscaled(const uint8_t* const* w, const int16_t* const* isc,
       for (int r = 0; r < R; ++r) acc[r][t] = V::fma(V::cvt(sum[r][t]), dv, acc[r][t]);
     }
   }
+  // Into real units (times each row's factor), then the minimum term, sum_g min_g xs_g, into the
+  // same accumulators as dot_int4_4 does: one reduction per row and token.
+  float f[R];
   for (int r = 0; r < R; ++r) {
-    const float f = iscale_factor(isc[r], groups);
+    f[r] = iscale_factor(isc[r], groups);
+    for (int t = 0; t < NT; ++t) acc[r][t] = V::mul(acc[r][t], V::set1(f[r]));
+  }
+  const int64_t gv = groups / W * W;
+  for (int64_t i = 0; i < gv; i += W)
     for (int t = 0; t < NT; ++t) {
+      const T xs = V::load(a[t].xs + i);
+      for (int r = 0; r < R; ++r) acc[r][t] = V::fma(V::load_f16(mn[r] + i), xs, acc[r][t]);
+    }
+  for (int t = 0; t < NT; ++t) {
+    float s[4];
+    if constexpr (R == 4) {
+      _mm_storeu_ps(s, V::sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+    } else {
+      for (int r = 0; r < R; ++r) s[r] = V::sum(acc[r][t]);
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int64_t g = gv; g < groups; ++g) s[r] += half_to_float(mn[r][g]) * a[t].xs[g];
       float tail = 0.f;  // the block past the last superblock, if any, in scale units
       for (int64_t b = supers * kSuper; b < blocks; ++b) {
         int32_t dot = 0;
@@ -527,7 +546,7 @@ static void dot_int4_iscaled(const uint8_t* const* w, const int16_t* const* isc,
           dot += (w[r][b * 16 + j] & 0x0F) * a[t].q[b * 32 + j] + (w[r][b * 16 + j] >> 4) * a[t].q[b * 32 + 16 + j];
         tail += static_cast<float>(isc[r][b / per_group]) * a[t].d[b] * static_cast<float>(dot);
       }
-      res[r * NT + t] = f * (V::sum(acc[r][t]) + tail) + dot_f16(mn[r], a[t].xs, groups);
+      res[r * NT + t] = s[r] + f[r] * tail;
     }
   }
 }
