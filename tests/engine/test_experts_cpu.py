@@ -297,6 +297,8 @@ FOUR_STREAM_CASES = [(h, i, dtype, quant) for h, i in [(78, 41), (72, 43), (256,
                      for dtype, quant in [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float32, "int8")]]
 # int4 needs whole groups: K = 96 is three 32-blocks (a superblock tail on every ISA), 224 seven.
 FOUR_STREAM_CASES += [(96, 224, torch.float32, "int4"), (224, 96, torch.float32, "int4"), (256, 192, torch.float32, "int4")]
+# Several activation scales a row on AVX2 (256 values each, the last run shorter: 1120 = 4 x 256 + 96).
+FOUR_STREAM_CASES += [(1120, 352, torch.float32, "int8"), (1120, 352, torch.float32, "int4")]
 
 
 @pytest.mark.parametrize("h,i,dtype,quant", FOUR_STREAM_CASES)

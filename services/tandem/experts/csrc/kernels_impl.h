@@ -338,22 +338,24 @@ static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 }
 
 constexpr int kSuper = V::kSuper;
-// int4 rows' activations: weights per Q8 scale. The AVX2 kernel for integer group scales (see
-// dot_int4_iscaled) sums whole 256-blocks in int32, so one activation scale must cover them (as
-// llama.cpp's Q8_K does for its K-quants); elsewhere 32, as Q8_0.
+// Weights per activation Q8 scale for int8 and int4 rows. The AVX2 kernels sum whole 256-blocks
+// in int32 (int8 rows: see dot_int8; int4 rows with integer group scales: dot_int4_iscaled), so
+// one activation scale must cover them (as llama.cpp's Q8_K does for its K-quants): on cores
+// without vpdpbusd the conversion and FMA per 32 or 64 weights cost as much as the products.
+// AVX-512 (vpdpbusd): 32, as Q8_0.
 constexpr int64_t kActBlock = TANDEM_WIDE ? 32 : 256;
 
-// Activations quantized as llama.cpp's Q8_0: int8 per 32-block with an f32 scale d; for int4
-// rows one scale covers kActBlock weights (the last run shorter), repeated in d for each 32-block.
+// Activations quantized as llama.cpp's Q8_0: int8 per 32-block with an f32 scale d; one scale
+// covers kActBlock weights (the last run shorter), repeated in d for each 32-block.
 // For int4 rows (kind kInt4) q is in superblock order (see V::dot_i4_q8), blocks past the last
 // full superblock in natural order, and xs gets per-group sums (for the minimum term). For int8
-// rows q is in natural order, dexp holds each block scale once per int32 lane of
+// rows q is in natural order, and on AVX-512 dexp holds each block scale once per int32 lane of
 // V::dot_i8_q8's result, and *c the correction 128 * sum(d * x) over the vector part.
 static void quantize_act(const float* x, int64_t K, int64_t group, int64_t kind, int8_t* q, float* d, float* xs,
                          float* dexp, float* c) {
   const int64_t blocks = K / 32, full = kind == kInt4 ? blocks / kSuper * kSuper : 0;
   const int64_t per_group = group / 32, vec_blocks = (K / V::kI8) * (V::kI8 / 32);
-  const int64_t run = kind == kInt4 ? kActBlock / 32 : 1;  // 32-blocks a scale covers
+  const int64_t run = kActBlock / 32;  // 32-blocks a scale covers
   if (kind == kInt8) *c = 0.f;
   float amax = 0.f, inv = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -371,7 +373,7 @@ static void quantize_act(const float* x, int64_t K, int64_t group, int64_t kind,
       xs[b / per_group] += d[b] * static_cast<float>(sum);
     } else if (b < vec_blocks) {
       if (V::kI8 == 64) *c += 128.f * d[b] * static_cast<float>(sum);
-      _mm256_storeu_ps(dexp + b * 8, _mm256_set1_ps(d[b]));  // 8 int32 lanes per block
+      if (TANDEM_WIDE) _mm256_storeu_ps(dexp + b * 8, _mm256_set1_ps(d[b]));  // 8 int32 lanes per block
     }
   }
 }
@@ -387,10 +389,34 @@ static inline float int8_tail(float r, const int8_t* w, int64_t b0, int64_t K, c
   return r;
 }
 
+#if !TANDEM_WIDE
+// The AVX2 int8 kernels' sums: acc[r][t] += d_t * (row r's int32 products over steps [s0, s1)),
+// a run of one activation scale (kActBlock weights), each row's |w| made once for all NT tokens.
+// |lanes| stay below 8 x 2 x 2 x 127 x 127 per run.
+template <int R, int NT>
+static inline void int8_run(const int8_t* const* w, int64_t s0, int64_t s1, const Act* a, T (&acc)[R][NT]) {
+  __m256i sum[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) sum[r][t] = _mm256_setzero_si256();
+  for (int64_t i = s0; i < s1; ++i)
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i * V::kI8) + kPrefetch, _MM_HINT_T0);
+      const V::I8 u = V::unpack_i8(w[r] + i * V::kI8);
+      for (int t = 0; t < NT; ++t) sum[r][t] = _mm256_add_epi32(sum[r][t], V::dot_i8(u, a[t].q + i * V::kI8));
+    }
+  for (int t = 0; t < NT; ++t) {
+    const T dv = V::set1(a[t].d[s0 * V::kI8 / 32]);
+    for (int r = 0; r < R; ++r) acc[r][t] = V::fma(V::cvt(sum[r][t]), dv, acc[r][t]);
+  }
+}
+constexpr int64_t kRun8 = kActBlock / V::kI8;  // steps an activation scale covers
+#endif
+
 // int8 row x Q8 activations: sum_b d_b sum_j w_bj xq_bj (times the row scale, by the caller).
 template <int NT>
 static void dot_int8(const int8_t* w, int64_t K, const Act* a, float* res) {
   const int64_t steps = K / V::kI8;
+#if TANDEM_WIDE
   T acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = V::zero();
   for (int64_t i = 0; i < steps; ++i) {
@@ -400,9 +426,13 @@ static void dot_int8(const int8_t* w, int64_t K, const Act* a, float* res) {
       acc[t] = V::fma(dot, V::load(a[t].dexp + i * W), acc[t]);
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    res[t] = int8_tail(V::sum(acc[t]) - a[t].c, w, steps * V::kI8 / 32, K, a[t]);
-  }
+  for (int t = 0; t < NT; ++t) res[t] = int8_tail(V::sum(acc[t]) - a[t].c, w, steps * V::kI8 / 32, K, a[t]);
+#else
+  T acc[1][NT];
+  for (int t = 0; t < NT; ++t) acc[0][t] = V::zero();
+  for (int64_t s0 = 0; s0 < steps; s0 += kRun8) int8_run<1, NT>(&w, s0, std::min(steps, s0 + kRun8), a, acc);
+  for (int t = 0; t < NT; ++t) res[t] = int8_tail(V::sum(acc[0][t]) - a[t].c, w, steps * V::kI8 / 32, K, a[t]);
+#endif
 }
 
 // The group scales of superblock sb's kSuper blocks as floats (lanes past kSuper unused), one
@@ -700,6 +730,7 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
   T acc[4][NT];
   for (int r = 0; r < 4; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = V::zero();
+#if TANDEM_WIDE
   for (int64_t i = 0; i < steps; ++i) {
     for (int r = 0; r < 4; ++r)
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i * V::kI8) + kPrefetch, _MM_HINT_T0);
@@ -710,6 +741,9 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
         acc[r][t] = V::fma(V::cvt(V::dot_i8(u, a[t].q + i * V::kI8)), V::load(a[t].dexp + i * W), acc[r][t]);
     }
   }
+#else
+  for (int64_t s0 = 0; s0 < steps; s0 += kRun8) int8_run<4, NT>(w, s0, std::min(steps, s0 + kRun8), a, acc);
+#endif
   for (int t = 0; t < NT; ++t) {
     float s[4];
     _mm_storeu_ps(s, V::sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
