@@ -2,7 +2,7 @@
 
 Decode-shaped batches (few tokens) go to the native kernel, which streams each touched
 expert's rows once for all tokens routed to it; for int8 and int4 rows it quantizes the
-activations to int8 per 32 values (llama.cpp's Q8_0; per 256 for int4 rows on AVX2) and uses
+activations to int8 per 32 values (llama.cpp's Q8_0; on AVX2 per 256, as Q8_K) and uses
 integer dot products.
 Prefill-shaped batches (many tokens per expert) are compute-bound, so they go to MKL's GEMM
 one expert at a time instead, on dequantized weights.
@@ -121,8 +121,9 @@ class CpuExpertExecutor:
                                            torch_decode=self.native is None, integer_scales=self._integer_scales())
 
     def _integer_scales(self) -> bool:
-        """int4 scales stored as integers (quant.to_integer_scales): where the native kernel runs its
-        AVX2 code, which then multiplies int4 rows ~1.25x faster (no vpdpbusd to do it otherwise)."""
+        """int4 scales stored as integers (quant.to_integer_scales) where the native kernel runs its
+        AVX2 code: it then sums int4 rows in int32 over 256 weights (routed experts 1.08-1.14x as fast
+        on Zen 1; benchmarks/RESULTS.md round nineteen). AVX-512 has vpdpbusd and keeps fp16 scales."""
         return self.native is not None and self.native.isa() == "avx2"
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
