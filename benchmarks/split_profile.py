@@ -72,7 +72,8 @@ def main() -> None:
             return popen([*cmd[:i + 1], str(port), *cmd[i + 2:]], *a, **kw)
 
         engine_bench.subprocess.Popen = with_metrics
-        opts = SimpleNamespace(model=str(args.checkpoint), expert_quant="int8", dtype=None)
+        opts = SimpleNamespace(model=str(args.checkpoint), expert_quant="int8", dtype=None, experts_gguf=None,
+                               experts_shm=None)
         proc, client = engine_bench.start_split_experts(opts, sorted(os.sched_getaffinity(0)), args.spin_us)
         engine_bench.subprocess.Popen = popen
     try:
