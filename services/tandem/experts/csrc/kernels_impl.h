@@ -456,12 +456,8 @@ static inline __m128 superblock_scales(const uint16_t* scale, int64_t sb, int sh
 // s_g(b) d_b times int4 row w's block b dotted with a's Q8 block b.
 static inline float int4_tail(float r, const uint8_t* w, const uint16_t* scale, int64_t b0, int64_t blocks,
                               int64_t per_group, const Act& a) {
-  for (int64_t b = b0; b < blocks; ++b) {
-    int32_t dot = 0;
-    for (int j = 0; j < 16; ++j)
-      dot += (w[b * 16 + j] & 0x0F) * a.q[b * 32 + j] + (w[b * 16 + j] >> 4) * a.q[b * 32 + 16 + j];
-    r += half_to_float(scale[b / per_group]) * a.d[b] * static_cast<float>(dot);
-  }
+  for (int64_t b = b0; b < blocks; ++b)
+    r += half_to_float(scale[b / per_group]) * a.d[b] * static_cast<float>(int4_block_dot(w, b, a.q));
   return r;
 }
 
@@ -500,13 +496,6 @@ static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn
 // scales itself and the products add up in int32 over a whole activation scale's 256 weights:
 // one conversion and FMA per 256 weights, not per 64. |lanes| stay below 2^31: a 256-block adds
 // 4 superblocks of 2 * 7620 * 16383 at most (see quant.INT4_ISCALE_MAX).
-
-// A row's float factor: the f32 stored in the two int16 after its `groups` scales.
-static inline float iscale_factor(const int16_t* isc, int64_t groups) {
-  float f;
-  std::memcpy(&f, isc + groups, sizeof f);
-  return f;
-}
 
 // The int16 scales of superblock sb's two blocks: block 0's in int16 lanes 0..7, block 1's in 8..15.
 static inline __m256i superblock_iscales(const int16_t* isc, int64_t sb, int shift) {
@@ -551,7 +540,7 @@ static void dot_int4_iscaled(const uint8_t* const* w, const int16_t* const* isc,
   // same accumulators as dot_int4_4 does: one reduction per row and token.
   float f[R];
   for (int r = 0; r < R; ++r) {
-    f[r] = iscale_factor(isc[r], groups);
+    f[r] = int4_row_factor(isc[r], groups);
     for (int t = 0; t < NT; ++t) acc[r][t] = V::mul(acc[r][t], V::set1(f[r]));
   }
   const int64_t gv = groups / W * W;
@@ -570,12 +559,9 @@ static void dot_int4_iscaled(const uint8_t* const* w, const int16_t* const* isc,
     for (int r = 0; r < R; ++r) {
       for (int64_t g = gv; g < groups; ++g) s[r] += half_to_float(mn[r][g]) * a[t].xs[g];
       float tail = 0.f;  // the block past the last superblock, if any, in scale units
-      for (int64_t b = supers * kSuper; b < blocks; ++b) {
-        int32_t dot = 0;
-        for (int j = 0; j < 16; ++j)
-          dot += (w[r][b * 16 + j] & 0x0F) * a[t].q[b * 32 + j] + (w[r][b * 16 + j] >> 4) * a[t].q[b * 32 + 16 + j];
-        tail += static_cast<float>(isc[r][b / per_group]) * a[t].d[b] * static_cast<float>(dot);
-      }
+      for (int64_t b = supers * kSuper; b < blocks; ++b)
+        tail += static_cast<float>(isc[r][b / per_group]) * a[t].d[b] *
+                static_cast<float>(int4_block_dot(w[r], b, a[t].q));
       res[r * NT + t] = s[r] + f[r] * tail;
     }
   }

@@ -60,6 +60,22 @@ static inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
+// An int4 row with integer scales (Mat::iscale): its float factor, the f32 stored in the two int16
+// after its `groups` scales.
+static inline float int4_row_factor(const int16_t* isc, int64_t groups) {
+  float f;
+  std::memcpy(&f, isc + groups, sizeof f);
+  return f;
+}
+
+// int4 row w's 32-block b dotted with Q8 block b of q (natural order: weight j and j + 16 in byte j).
+static inline int32_t int4_block_dot(const uint8_t* w, int64_t b, const int8_t* q) {
+  int32_t dot = 0;
+  for (int j = 0; j < 16; ++j)
+    dot += (w[b * 16 + j] & 0x0F) * q[b * 32 + j] + (w[b * 16 + j] >> 4) * q[b * 32 + 16 + j];
+  return dot;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
@@ -94,9 +110,7 @@ static float weight(const Mat& m, int64_t r, int64_t k) {
       mn.x = m.min16[g];
       if (m.iscale) {  // the group's int16 scale times the row's factor, as quant.py dequantizes
         const int16_t* row = m.iscale + r * (groups + 2);
-        float f;
-        std::memcpy(&f, row + groups, sizeof f);
-        return q * (static_cast<float>(row[k / m.group]) * f) + static_cast<float>(mn);
+        return q * (static_cast<float>(row[k / m.group]) * int4_row_factor(row, groups)) + static_cast<float>(mn);
       }
       s.x = m.scale16[g];
       return q * static_cast<float>(s) + static_cast<float>(mn);
@@ -241,7 +255,8 @@ static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, 
       TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) * 2 == K, "int4 weights: bad dtype or K");
       TORCH_CHECK((group == 32 || group == 64 || group == 128) && K % group == 0,
                   "int4 group size must be 32, 64 or 128 and divide K");
-      TORCH_CHECK(mn.scalar_type() == at::kHalf && mn.is_contiguous() && mn.numel() == w.size(0) * w.size(1) * (K / group),
+      TORCH_CHECK(mn.scalar_type() == at::kHalf && mn.is_contiguous() &&
+                      mn.numel() == w.size(0) * w.size(1) * (K / group),
                   "int4 mins must be contiguous fp16 [E, N, K / group]");
       m.min16 = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
       if (scale.scalar_type() == at::kShort) {
