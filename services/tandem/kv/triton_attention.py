@@ -275,7 +275,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
         k_rows = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_ks  # [S]
         v_rows = block_ids * stride_vb + (pos % BLOCK_SIZE) * stride_vs  # [S]
         k_base = k_cache + k_rows[:, None] + kv_head * stride_kh  # [S, 1]
-        if DOT:  # float32 operands in full precision (no TF32)
+        if DOT:  # operands of the cache's dtype (float32 ones, in the interpreter, in full precision: no TF32)
             k_main = tl.load(k_base + main[None, :] * stride_kd, mask=key_ok[:, None], other=0.0).to(OPERAND)
             scores = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")  # [G, S]
             if D_REST > 0:
