@@ -2,6 +2,9 @@
 
 "Drifted" means a field the operator sets has another value on the server. Fields the server
 adds (defaults, status, uid) are not drift, so a repeated apply of an unchanged child is a no-op.
+A field a builder sets to None is one the operator owns but leaves out for this spec: the server
+must not have it, and the patch's null deletes it (RFC 7386), so removing a setting from the spec
+removes it from the child.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def apply(child: dict) -> Outcome:
     current = kube.get(resource, meta["namespace"], meta["name"])
     if current is None:
         try:
-            kube.create(resource, meta["namespace"], child)
+            kube.create(resource, meta["namespace"], without_nulls(child))
             return Outcome.CREATED
         except kube.KubeError as e:
             if e.status != 409:
@@ -53,16 +56,34 @@ def contains(actual: Any, desired: Any) -> bool:
 
     Dicts may hold extra keys; lists must have the same length and match item by item;
     quantities compare by value ("1Gi" equals "1024Mi"), as the server may rewrite them.
+    A key the server lacks equals a zero value (False, "", 0, [], {}, None): the server omits
+    those (omitempty), and a desired None means the key must be absent.
     """
+    if desired is None:
+        return is_zero(actual)
     if isinstance(desired, dict):
         return isinstance(actual, dict) and all(
-            key in actual and contains(actual[key], value) for key, value in desired.items())
+            contains(actual[key], value) if key in actual else is_zero(value) for key, value in desired.items())
     if isinstance(desired, list):
         return (isinstance(actual, list) and len(actual) == len(desired)
                 and all(contains(a, d) for a, d in zip(actual, desired)))
     if actual == desired:
         return True
     return isinstance(actual, str) and isinstance(desired, str) and _same_quantity(actual, desired)
+
+
+def is_zero(value: Any) -> bool:
+    """None, False, 0, "", [] or {}: what the API server leaves out of the objects it returns."""
+    return value is None or (isinstance(value, (bool, int, float, str, list, dict)) and not value)
+
+
+def without_nulls(value: Any) -> Any:
+    """`value` without the dict keys whose value is None, at any depth (what a create must send)."""
+    if isinstance(value, dict):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value
 
 
 def _same_quantity(a: str, b: str) -> bool:

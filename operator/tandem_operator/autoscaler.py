@@ -23,18 +23,25 @@ class Recommendation:
 class Decision:
     replicas: int  # what to set now
     recommended: int  # the rule's answer before stabilisation
-    reason: str  # ScaleUp, ScaleDown, WithinTolerance, Stabilized, AtLimit
+    reason: str  # ScaleUp, ScaleDown, WithinTolerance, Stabilized, AtLimit, PodsNotReady, Idle
 
 
-def rule(current: int, measured: float, target: float, tolerance: float) -> int:
-    """The HPA rule: ceil(current × measured / target), unless within 1 ± tolerance of target."""
-    if current < 0 or measured < 0 or target <= 0:
-        raise ValueError(f"bad inputs: current={current}, measured={measured}, target={target}")
+def rule(current: int, measured: float, target: float, tolerance: float, ready: int | None = None) -> int:
+    """The HPA rule: ceil(ready × measured / target), unless within 1 ± tolerance of target.
+
+    `ready` (default `current`) is the number of pods measured. As the HPA does, the answer is
+    `current` within tolerance, and never fewer replicas for a latency above target (or more for
+    one below), which a count of ready pods below `current` could otherwise give.
+    """
+    ready = current if ready is None else ready
+    if current < 0 or ready < 0 or not math.isfinite(measured) or measured < 0 or target <= 0:
+        raise ValueError(f"bad inputs: current={current}, ready={ready}, measured={measured}, target={target}")
     ratio = measured / target
     if abs(ratio - 1.0) <= tolerance:
         return current
     # The epsilon keeps 3 × (1.1/1.1) from rounding up to 4 through float error.
-    return math.ceil(current * ratio - 1e-9)
+    proposal = math.ceil(ready * ratio - 1e-9)
+    return max(proposal, current) if ratio > 1.0 else min(proposal, current)
 
 
 def clamp(replicas: int, minimum: int, maximum: int) -> int:
@@ -61,26 +68,41 @@ def stabilize(current: int, recommended: int, history: list[Recommendation], now
     return replicas
 
 
-def decide(current: int, measured_s: float, spec: AutoscalingSpec, history: list[Recommendation],
-           now: float) -> tuple[Decision, list[Recommendation]]:
-    """The replicas to set from a measured p95 (seconds), and the history to keep for next time."""
+def decide(current: int, measured_s: float | None, spec: AutoscalingSpec, history: list[Recommendation],
+           now: float, ready: int | None = None) -> tuple[Decision, list[Recommendation]]:
+    """The replicas to set from a measured p95 (seconds), and the history to keep for next time.
+
+    As the HPA does, the rule scales the `ready` pods the p95 was measured on (default: all
+    `current`), not replicas still loading, and proposes no scale-up while some are: their
+    capacity is on its way, and the p95 of the others cannot show it yet. `measured_s` None means
+    a whole window without decode steps: idle, so the recommendation is minReplicas.
+    """
     if spec.maxReplicas is None or spec.targetP95InterTokenLatencyMs is None:
         raise ValueError("autoscaling needs maxReplicas and targetP95InterTokenLatencyMs")
+    ready = current if ready is None else ready
+    if measured_s is not None and ready < 1:
+        raise ValueError("a measured p95 needs at least one Ready pod to scale from")
+    idle = measured_s is None
     target_s = spec.targetP95InterTokenLatencyMs / 1000.0
-    raw = rule(current, measured_s, target_s, spec.tolerance)
-    recommended = clamp(raw, spec.minReplicas, spec.maxReplicas)
+    raw = spec.minReplicas if idle else rule(current, measured_s, target_s, spec.tolerance, ready)
+    loading = not idle and ready < current and measured_s / target_s > 1.0 + spec.tolerance
+    recommended = clamp(current if loading else raw, spec.minReplicas, spec.maxReplicas)
     replicas = stabilize(current, recommended, history, now,
                          spec.scaleUpStabilizationSeconds, spec.scaleDownStabilizationSeconds)
     keep = max(spec.scaleUpStabilizationSeconds, spec.scaleDownStabilizationSeconds)
     history = [r for r in history if r.time > now - keep] + [Recommendation(now, recommended)]
-    return Decision(replicas, recommended, _reason(current, raw, recommended, replicas)), history
+    return Decision(replicas, recommended, _reason(current, raw, recommended, replicas, loading, idle)), history
 
 
-def _reason(current: int, raw: int, recommended: int, replicas: int) -> str:
+def _reason(current: int, raw: int, recommended: int, replicas: int, loading: bool, idle: bool) -> str:
     if replicas > current:
         return "ScaleUp"
     if replicas < current:
         return "ScaleDown"
+    if loading:
+        return "PodsNotReady"
+    if idle:
+        return "Idle"
     if raw == current:
         return "WithinTolerance"
     if recommended == current:

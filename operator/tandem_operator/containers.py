@@ -42,6 +42,7 @@ PROBE_TIMEOUT_SECONDS = 5
 # Loading hundreds of GB of experts from a volume takes minutes: the startup probe allows 30.
 STARTUP_FAILURES = 180
 STARTUP_PERIOD_SECONDS = 10
+STARTUP_BUDGET_SECONDS = STARTUP_FAILURES * STARTUP_PERIOD_SECONDS
 
 
 def build_attention_container(spec: HybridModelSpec) -> dict:

@@ -3,11 +3,14 @@
 `register(registry, ...)` puts every handler on a registry; importing this module registers
 them on kopf's default registry, which is what `kopf run -m tandem_operator` uses. Tests build
 their own registry with short intervals.
+
+No handler needs kopf's finalizer (no on.delete, no kopf timers: see tandem_operator.periodic),
+so a HybridModel can be deleted while the operator is not running, e.g. after `helm uninstall`.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -15,7 +18,7 @@ from typing import Any
 
 import kopf
 
-from . import names, reconcile, scaling
+from . import names, periodic, reconcile, scaling
 from .login import login
 
 AUTOSCALE_INTERVAL_ENV = "TANDEM_OPERATOR_AUTOSCALE_INTERVAL"
@@ -25,6 +28,7 @@ DEFAULT_RESYNC_INTERVAL = 300.0
 CHILD_RESOURCES = (("apps", "v1", "deployments"), ("", "v1", "services"),
                    ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "pods"))
 MODEL = (names.GROUP, names.VERSION, names.PLURAL)
+CHILD_SELECTOR = f"{names.MANAGED_BY_LABEL}={names.OPERATOR_NAME}"
 
 
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -32,23 +36,39 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=names.GROUP, key="last-handled-configuration")
+    # Nothing asks for it now; named so that kopf removes the one older versions added.
     settings.persistence.finalizer = f"{names.GROUP}/cleanup"
     # Only warnings become Events; scale decisions and repairs post their own.
     settings.posting.level = logging.WARNING
+    # The handlers' `labels=` filter is applied by kopf after it receives each event: without a
+    # selector the operator would watch, and hold in memory, every pod and Service in the cluster.
+    for group, version, plural in CHILD_RESOURCES:
+        settings.watching.label_selectors[group, version, plural] = CHILD_SELECTOR
 
 
 def on_spec(body: Mapping, logger: logging.Logger, **_: Any) -> None:
     reconcile.reconcile(plain(body), logger, trigger="spec")
 
 
-# Timers are async shells around the blocking work: kopf stops async timers at once on exit,
-# but waits out a sync timer's sleep.
-async def on_resync(body: Mapping, logger: logging.Logger, **_: Any) -> None:
-    await asyncio.to_thread(reconcile.reconcile, plain(body), logger, "drift")
+def resync(body: dict, memo: Any, logger: logging.Logger) -> None:
+    """The periodic safety net for drift that no watch event reported."""
+    del memo  # nothing to keep between rounds
+    current = reconcile.live(body)
+    if current is None:  # deleted while the watch was down: no DELETED event came
+        raise periodic.Gone()
+    reconcile.reconcile(current, logger, trigger="drift")
 
 
-def on_delete(body: Mapping, logger: logging.Logger, **_: Any) -> None:
-    reconcile.delete_children(body["metadata"]["namespace"], body["metadata"]["name"], logger)
+async def on_model_event(loops: periodic.Loops, type: str | None, body: Mapping, logger: logging.Logger,
+                         **_: Any) -> None:
+    if type == "DELETED":
+        loops.gone(plain(body))
+    else:
+        loops.seen(plain(body), logger)
+
+
+async def on_cleanup(loops: periodic.Loops, **_: Any) -> None:
+    await loops.stop()
 
 
 def on_child_event(body: Mapping, logger: logging.Logger, **_: Any) -> None:
@@ -60,23 +80,20 @@ def on_child_event(body: Mapping, logger: logging.Logger, **_: Any) -> None:
             pass  # already reported on the owner by its own handlers
 
 
-async def on_autoscale(body: Mapping, memo: Any, logger: logging.Logger, **_: Any) -> None:
-    await asyncio.to_thread(scaling.autoscale_step, plain(body), memo, logger)
-
-
 def register(registry: kopf.OperatorRegistry, *, autoscale_interval: float = DEFAULT_AUTOSCALE_INTERVAL,
              resync_interval: float = DEFAULT_RESYNC_INTERVAL) -> kopf.OperatorRegistry:
     """Register every handler on `registry` and return it."""
+    loops = periodic.Loops([
+        periodic.Every(resync, resync_interval, initial_delay=resync_interval),
+        periodic.Every(scaling.autoscale_step, autoscale_interval),
+    ])
     kopf.on.startup(registry=registry)(configure)
     kopf.on.login(registry=registry)(login)
+    kopf.on.cleanup(registry=registry, id="periodic")(functools.partial(on_cleanup, loops))
     kopf.on.create(*MODEL, registry=registry, id="reconcile")(on_spec)
     kopf.on.update(*MODEL, registry=registry, id="reconcile")(on_spec)
     kopf.on.resume(*MODEL, registry=registry, id="reconcile")(on_spec)
-    kopf.on.delete(*MODEL, registry=registry, id="cleanup")(on_delete)
-    kopf.timer(*MODEL, registry=registry, id="resync", interval=resync_interval,
-               initial_delay=resync_interval)(on_resync)
-    kopf.timer(*MODEL, registry=registry, id="autoscale", interval=autoscale_interval,
-               when=_autoscaling_enabled)(on_autoscale)
+    kopf.on.event(*MODEL, registry=registry, id="periodic")(functools.partial(on_model_event, loops))
     for group, version, plural in CHILD_RESOURCES:
         kopf.on.event(group, version, plural, registry=registry, id="child",
                       labels={names.MANAGED_BY_LABEL: names.OPERATOR_NAME})(on_child_event)
@@ -90,10 +107,6 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [plain(item) for item in value]
     return value
-
-
-def _autoscaling_enabled(spec: Mapping, **_: Any) -> bool:
-    return bool((spec.get("autoscaling") or {}).get("enabled"))
 
 
 def _interval(variable: str, default: float) -> float:

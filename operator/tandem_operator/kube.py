@@ -49,12 +49,23 @@ HYBRIDMODELS = Resource(names.GROUP, names.VERSION, names.PLURAL, names.KIND)
 BY_KIND = {r.kind: r for r in (DEPLOYMENTS, SERVICES, PDBS, PODS, HYBRIDMODELS)}
 
 
+# Error statuses that may pass on their own: not found or conflicting during a concurrent change,
+# throttled, timed out, or the server's own trouble (5xx). Any other 4xx rejects the request itself.
+_TRANSIENT = (404, 408, 409, 429)
+
+
 class KubeError(Exception):
-    """The API server answered with an error status."""
+    """The API server answered with an error status; `message` is the server's own."""
 
     def __init__(self, status: int, method: str, path: str, message: str):
         super().__init__(f"{method} {path}: HTTP {status}: {message}")
         self.status = status
+        self.message = message
+
+    @property
+    def rejected(self) -> bool:
+        """Whether the server refused the request as such (invalid, forbidden): retrying will not help."""
+        return 400 <= self.status < 500 and self.status not in _TRANSIENT
 
 
 def get(resource: Resource, namespace: str, name: str) -> dict | None:

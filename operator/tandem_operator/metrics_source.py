@@ -7,11 +7,14 @@ summed over the model's pods; the p95 is computed from that by `histogram.quanti
 from __future__ import annotations
 
 import json
+import math
+import re
 import string
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from tandem import contract
 
@@ -23,14 +26,30 @@ SCRAPE_TIMEOUT_SECONDS = 5
 # Pod IPs and in-cluster Prometheus are never reached through an HTTP proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
+# The series label that names the HybridModel: the ServiceMonitor's targetLabels and the usual
+# `kubernetes-pods` job's labelmap both copy the pods' names.MODEL_LABEL, with what Prometheus
+# does not allow in a label name turned into "_". A pod-name pattern would also match the pods
+# of any model whose name starts with this one's and a dash.
+MODEL_SERIES_LABEL = re.sub(r"[^a-zA-Z0-9_]", "_", names.MODEL_LABEL)
 DEFAULT_PROMETHEUS_QUERY = (
     'sum by (le) (increase(' + contract.INTER_TOKEN_LATENCY + '_bucket'
-    '{namespace="$namespace", pod=~"$name-.*"}[${window}s]))'
+    '{namespace="$namespace", ' + MODEL_SERIES_LABEL + '="$name"}[${window}s]))'
 )
 
 
 class MetricsError(Exception):
     """Latency could not be read; the message says from where and why."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What was observed over the window: bucket increases, a p95 in seconds, or None."""
+
+    observed: Histogram | float | None
+    # Whether `observed` spans the whole window, so that no observations in it mean no traffic
+    # (idle) rather than too short a look.
+    covers_window: bool = False
+    skipped: tuple[str, ...] = ()  # why each Ready pod that could not be read was left out
 
 
 # Pods
@@ -76,9 +95,14 @@ class PodWindow:
 
     scrapes: list[tuple[float, dict[str, Histogram]]] = field(default_factory=list)
 
-    def record(self, now: float, by_pod: dict[str, Histogram], window: float) -> None:
-        """Add one round of scrapes and forget those no longer needed for `window`."""
-        self.scrapes.append((now, by_pod))
+    def record(self, now: float, by_pod: dict[str, Histogram], window: float, unread: Iterable[str] = ()) -> None:
+        """Add one round of scrapes and forget those no longer needed for `window`.
+
+        A pod in `unread` (Ready, but its scrape failed) keeps its last histogram: once read again,
+        its counts are then not taken for new, as those of a pod that started in the window are.
+        """
+        last = self.scrapes[-1][1] if self.scrapes else {}
+        self.scrapes.append((now, {**{pod: last[pod] for pod in unread if pod in last}, **by_pod}))
         # Keep the newest scrape at or before the window's start: it is the baseline.
         while len(self.scrapes) > 1 and self.scrapes[1][0] <= now - window:
             self.scrapes.pop(0)
@@ -94,15 +118,31 @@ class PodWindow:
         _, latest = self.scrapes[-1]
         return merge(increase(hist, baseline.get(pod)) for pod, hist in latest.items())
 
+    def covers(self, now: float, window: float) -> bool:
+        """Whether the baseline is at least `window` old: the increase spans the whole window."""
+        return len(self.scrapes) > 1 and self.scrapes[0][0] <= now - window
 
-def read_pods(pods: list[dict], window: PodWindow, now: float, window_seconds: float) -> Histogram | None:
-    """Scrape every Ready pod, record it, and return the increase over the window."""
+
+def read_pods(pods: list[dict], window: PodWindow, now: float, window_seconds: float) -> Reading:
+    """Scrape every Ready pod, record it, and return the increase over the window.
+
+    As the HPA does with pods missing metrics, a pod that cannot be read is left out (and named
+    in `skipped`); only when no Ready pod can be read is that an error.
+    """
     ready = ready_pods(pods)
     if not ready:
         raise MetricsError("no Ready pods to read metrics from")
-    by_pod = {(p.get("metadata") or {}).get("uid") or p["metadata"]["name"]: scrape_pod(p) for p in ready}
-    window.record(now, by_pod, window_seconds)
-    return window.increase()
+    by_pod, failed = {}, {}
+    for pod in ready:
+        key = (pod.get("metadata") or {}).get("uid") or pod["metadata"]["name"]
+        try:
+            by_pod[key] = scrape_pod(pod)
+        except MetricsError as e:
+            failed[key] = str(e)
+    if not by_pod:
+        raise MetricsError("; ".join(failed.values()))
+    window.record(now, by_pod, window_seconds, unread=failed)
+    return Reading(window.increase(), window.covers(now, window_seconds), tuple(failed.values()))
 
 
 # Prometheus
@@ -116,7 +156,8 @@ def prometheus_query(template: str | None, namespace: str, name: str, window_sec
 def read_prometheus(url: str, query: str, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> Histogram | float | None:
     """Run an instant query: bucket increases (a vector with `le`) or a p95 in seconds (one sample).
 
-    None when the query matches nothing (no traffic, or no scrapes yet).
+    None when the query matches nothing (no traffic, or no scrapes yet) or answers NaN or ±Inf
+    (histogram_quantile over no observations): no samples, not a latency.
     """
     endpoint = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': query})}"
     try:
@@ -127,7 +168,7 @@ def read_prometheus(url: str, query: str, timeout: float = SCRAPE_TIMEOUT_SECOND
         raise MetricsError(f"{url}: query failed: {reply.get('error') or reply}")
     data = reply.get("data") or {}
     if data.get("resultType") == "scalar":
-        return _sample_value(data.get("result"), url)
+        return _finite(_sample_value(data.get("result"), url))
     result = data.get("result") or []
     if data.get("resultType") != "vector":
         raise MetricsError(f"{url}: expected an instant vector, got {data.get('resultType')}")
@@ -135,9 +176,9 @@ def read_prometheus(url: str, query: str, timeout: float = SCRAPE_TIMEOUT_SECOND
         return None
     if all("le" in (r.get("metric") or {}) for r in result):
         buckets = {float(r["metric"]["le"]): _sample_value(r.get("value"), url) for r in result}
-        return dict(sorted(buckets.items()))
+        return dict(sorted(buckets.items())) if all(map(math.isfinite, buckets.values())) else None
     if len(result) == 1:
-        return _sample_value(result[0].get("value"), url)
+        return _finite(_sample_value(result[0].get("value"), url))
     raise MetricsError(f"{url}: the query returned {len(result)} series; expected buckets with `le` or one value")
 
 
@@ -146,6 +187,10 @@ def _sample_value(value: object, url: str) -> float:
         return float(value[1])  # type: ignore[index]
     except (TypeError, ValueError, IndexError):
         raise MetricsError(f"{url}: malformed sample {value!r}") from None
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _http_get(url: str, timeout: float) -> str:

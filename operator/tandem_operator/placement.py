@@ -14,12 +14,14 @@ CPU_VENDOR_LABEL = "feature.node.kubernetes.io/cpu-model.vendor_id"
 NUMA_LABEL = "feature.node.kubernetes.io/memory-numa"
 GPU_PRESENT_LABEL = "nvidia.com/gpu.present"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
 
 
 def default_node_affinity() -> dict:
     """Required affinity to AMD, single-NUMA nodes with a GPU."""
     return {
-        "requiredDuringSchedulingIgnoredDuringExecution": {
+        REQUIRED: {
             "nodeSelectorTerms": [{
                 "matchExpressions": [
                     {"key": CPU_VENDOR_LABEL, "operator": "In", "values": ["AMD"]},
@@ -39,16 +41,29 @@ def default_tolerations() -> list[dict]:
 
 
 def build_affinity(spec: HybridModelSpec, name: str) -> dict:
-    """The pod's affinity: the spec's node affinity (or the default) and one pod per node."""
-    affinity = {"nodeAffinity": spec.placement.nodeAffinity or default_node_affinity()}
-    if spec.placement.onePerNode:
-        affinity["podAntiAffinity"] = {
-            "requiredDuringSchedulingIgnoredDuringExecution": [{
-                "labelSelector": {"matchLabels": names.selector_labels(name)},
-                "topologyKey": HOSTNAME_TOPOLOGY,
-            }],
-        }
-    return affinity
+    """The pod's affinity: the spec's node affinity (or the default) and one pod per node.
+
+    Keys the spec leaves out are None rather than missing, so that a setting taken out of the
+    spec (onePerNode: false, a preferred node affinity) is taken off the Deployment too.
+    """
+    return {
+        "nodeAffinity": _node_affinity(spec.placement.nodeAffinity or default_node_affinity()),
+        "podAntiAffinity": _one_per_node(name) if spec.placement.onePerNode else None,
+    }
+
+
+def _node_affinity(affinity: dict) -> dict:
+    # Both fields of a NodeAffinity, the one not given as None.
+    return {key: affinity.get(key) for key in (REQUIRED, PREFERRED)} | dict(affinity)
+
+
+def _one_per_node(name: str) -> dict:
+    return {
+        REQUIRED: [{
+            "labelSelector": {"matchLabels": names.selector_labels(name)},
+            "topologyKey": HOSTNAME_TOPOLOGY,
+        }],
+    }
 
 
 def build_tolerations(spec: HybridModelSpec) -> list[dict]:

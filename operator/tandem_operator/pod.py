@@ -32,12 +32,11 @@ def build_pod_template(spec: HybridModelSpec, name: str) -> dict:
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        # None when the spec has none: the key is still ours, so taking it out of the spec takes
+        # it off the Deployment (tandem_operator.apply).
+        "nodeSelector": placement.build_node_selector(spec) or None,
+        "imagePullSecrets": [dict(secret) for secret in spec.imagePullSecrets] or None,
     }
-    node_selector = placement.build_node_selector(spec)
-    if node_selector:
-        pod_spec["nodeSelector"] = node_selector
-    if spec.imagePullSecrets:
-        pod_spec["imagePullSecrets"] = [dict(secret) for secret in spec.imagePullSecrets]
     return {
         "metadata": {
             "labels": names.common_labels(name),

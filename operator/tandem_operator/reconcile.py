@@ -1,6 +1,6 @@
 """Reconcile one HybridModel: build its children from the spec, apply them, report status.
 
-Idempotent: every handler (create, update, resume, a child's event, the resync timer) calls the
+Idempotent: every handler (create, update, resume, a child's event, the periodic resync) calls the
 same function, and calling it twice in a row changes nothing the second time.
 """
 
@@ -13,18 +13,20 @@ import kopf
 from . import kube, names
 from .apply import Outcome, adopt, apply
 from .children import build_children
-from .spec import HybridModelSpec, SpecError, parse_spec
-from .status import compute_status, invalid_spec_status
+from .spec import HybridModelSpec, SpecError, check_name, parse_spec
+from .status import DEGRADED, compute_status, invalid_spec_status, rejected_child_status
 from .status_store import write_status
 
-CHILDREN = (kube.DEPLOYMENTS, kube.SERVICES, kube.PDBS)
+# After a throttled (429) or failed (5xx) request, kopf retries the handler this much later.
+RETRY_DELAY_SECONDS = 30
 
 
 def reconcile(body: dict, logger: logging.Logger | logging.LoggerAdapter, trigger: str) -> dict[str, Outcome]:
     """Bring the children and the status of HybridModel `body` in line with its spec.
 
     `trigger` names what started it, for events: "spec" (created or changed) or "drift".
-    Raises kopf.PermanentError for an invalid spec (after reporting it in status and an event).
+    Raises kopf.PermanentError for an invalid spec or a child the API server rejects (after
+    reporting it in status and an event), kopf.TemporaryError when the server may accept later.
     """
     meta = body["metadata"]
     namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation")
@@ -32,26 +34,58 @@ def reconcile(body: dict, logger: logging.Logger | logging.LoggerAdapter, trigge
     owner = names.owner_reference(body)
     outcomes = {}
     for child in build_children(spec, name, namespace):
-        outcome = apply(adopt(child, owner))
+        outcome = apply_child(body, adopt(child, owner))
         outcomes[child["kind"]] = outcome
         if outcome is not Outcome.UNCHANGED:
             logger.info("%s %s/%s %s", child["kind"], namespace, name, outcome.value)
             if trigger == "drift":
-                kopf.warn(body, reason="DriftRepaired", message=f"{child['kind']} {name} {outcome.value} to match the spec")
+                kopf.warn(body, reason="DriftRepaired",
+                          message=f"{child['kind']} {name} {outcome.value} to match the spec")
     refresh_status(namespace, name, spec, generation)
     return outcomes
 
 
 def checked_spec(body: dict) -> HybridModelSpec:
-    """The parsed spec; an invalid one is reported in status and as an event, then raised."""
-    meta = body["metadata"]
+    """The parsed spec; an invalid one (or name) is reported in status and as an event, then raised."""
     try:
+        check_name(body["metadata"]["name"])
         return parse_spec(body.get("spec"))
     except SpecError as e:
-        fields, conditions = invalid_spec_status(str(e))
-        write_status(meta["namespace"], meta["name"], fields, conditions, meta.get("generation"))
-        kopf.warn(body, reason="InvalidSpec", message=str(e))
+        report_failure(body, "InvalidSpec", str(e), *invalid_spec_status(str(e)))
         raise kopf.PermanentError(f"invalid spec: {e}") from None
+
+
+def apply_child(body: dict, child: dict) -> Outcome:
+    """apply(child), with the API server's refusals reported on the HybridModel `body`.
+
+    A rejected child (invalid, forbidden) will be rejected again until the spec or the cluster
+    changes: kopf.PermanentError. Anything else the server may accept later: kopf.TemporaryError.
+    """
+    try:
+        return apply(child)
+    except kube.KubeError as e:
+        what = f"{child['kind']} {child['metadata']['name']}"
+        if not e.rejected:
+            raise kopf.TemporaryError(f"{what}: {e}", delay=RETRY_DELAY_SECONDS) from None
+        message = f"the API server rejected {what} (HTTP {e.status}): {e.message}"
+        report_failure(body, "ChildRejected", message, *rejected_child_status(message))
+        raise kopf.PermanentError(message) from None
+
+
+def report_failure(body: dict, reason: str, message: str, fields: dict, conditions: list[dict]) -> None:
+    """Write a failure's status; post its warning event once per generation, not on every retry."""
+    meta = body["metadata"]
+    namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation")
+    if not _reported(namespace, name, generation, reason, message):
+        kopf.warn(body, reason=reason, message=message)
+    write_status(namespace, name, fields, conditions, generation)
+
+
+def _reported(namespace: str, name: str, generation: int | None, reason: str, message: str) -> bool:
+    status = (kube.get(kube.HYBRIDMODELS, namespace, name) or {}).get("status") or {}
+    degraded = next((c for c in status.get("conditions") or [] if c.get("type") == DEGRADED), {})
+    return (status.get("observedGeneration") == generation and degraded.get("reason") == reason
+            and degraded.get("message") == message)
 
 
 def refresh_status(namespace: str, name: str, spec: HybridModelSpec, generation: int | None) -> dict | None:
@@ -66,6 +100,16 @@ def refresh_status(namespace: str, name: str, spec: HybridModelSpec, generation:
     return write_status(namespace, name, fields, conditions, generation)
 
 
+def live(body: dict) -> dict | None:
+    """The server's copy of HybridModel `body`; None if it is gone, replaced (another uid) or being deleted."""
+    meta = body["metadata"]
+    current = kube.get(kube.HYBRIDMODELS, meta["namespace"], meta["name"])
+    current_meta = (current or {}).get("metadata") or {}
+    if current is None or current_meta.get("deletionTimestamp") or current_meta.get("uid") != meta.get("uid"):
+        return None
+    return current
+
+
 def owner_of(child: dict) -> dict | None:
     """The live HybridModel a child belongs to; None if it is gone or being deleted."""
     meta = child.get("metadata") or {}
@@ -77,19 +121,3 @@ def owner_of(child: dict) -> dict | None:
         return None
     return owner
 
-
-def delete_children(namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter) -> None:
-    """Delete the children now rather than wait for the garbage collector.
-
-    Without permission to delete (403) the owner references still let the garbage collector
-    remove them, so that is logged, not raised.
-    """
-    for resource in CHILDREN:
-        try:
-            if kube.delete(resource, namespace, name):
-                logger.info("deleted %s %s/%s", resource.kind, namespace, name)
-        except kube.KubeError as e:
-            if e.status != 403:
-                raise
-            logger.warning("cannot delete %s %s/%s (%s); leaving it to the garbage collector",
-                           resource.kind, namespace, name, e)

@@ -1,6 +1,6 @@
 """One autoscaling step for one HybridModel: measure p95 decode latency, decide, set replicas.
 
-Called by a kopf timer. The memo (kopf's per-object memo) carries the pod scrapes and the past
+Called periodically (tandem_operator.periodic). The memo carries the pod scrapes and the past
 recommendations from one step to the next. Scaling writes `.spec.replicas`, as an HPA writes
 the scale subresource; the update handler then rolls that out to the Deployment.
 """
@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import kopf
 
 from . import autoscaler, kube, names
-from .histogram import Histogram, quantile
-from .metrics_source import MetricsError, PodWindow, prometheus_query, read_pods, read_prometheus
+from .histogram import quantile
+from .metrics_source import (MetricsError, PodWindow, Reading, prometheus_query, read_pods, read_prometheus,
+                             ready_pods)
+from .reconcile import live
 from .spec import HybridModelSpec, SpecError, parse_spec
 from .status import SCALING_ACTIVE, condition, now_iso
 from .status_store import write_status
@@ -23,71 +26,147 @@ from .status_store import write_status
 P95 = 0.95
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """The p95 over the window, or why there is none."""
+
+    p95_s: float | None
+    idle: bool = False  # a whole window without decode steps: no traffic, not missing data
+    skipped: tuple[str, ...] = ()  # Ready pods left out because their metrics could not be read
+
+
 def autoscale_step(body: dict, memo: Any, logger: logging.Logger | logging.LoggerAdapter,
                    clock: Callable[[], float] = time.monotonic) -> autoscaler.Decision | None:
     """Measure, decide and apply; returns the decision, or None when none was made (and why is in status)."""
-    meta = body["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
-    # The timer's body can lag behind our own last scaling patch: act on the server's copy.
-    body = kube.get(kube.HYBRIDMODELS, namespace, name) or body
-    try:
-        spec = parse_spec(body.get("spec"))
-    except SpecError:
-        return None  # the reconciler reports the invalid spec
-    if not spec.autoscaling.enabled:
+    if not _enabled(body):
+        retire(body, memo)
         return None
-    if spec.replicas == 0:
-        _report(namespace, name, False, "ScalingDisabled", "replicas is 0; scale up by hand to resume autoscaling")
+    # The caller's body can lag behind our own last scaling patch: act on the server's copy.
+    body = live(body)
+    spec = _autoscaled_spec(body)
+    if spec is None:
         return None
-
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     now = clock()
+    pods = kube.list_labelled(kube.PODS, namespace, names.selector_labels(name))
+    ready = len(ready_pods(pods))
+    if not ready:
+        _report(namespace, name, False, "NoReadyPods", "no Ready pods to measure and scale from")
+        return None
     try:
-        p95 = measure_p95(spec, namespace, name, memo, now)
+        measured = measure(spec, namespace, name, memo, now, pods)
     except MetricsError as e:
         if _report(namespace, name, False, "FailedGetMetrics", str(e)):
             kopf.warn(body, reason="FailedGetMetrics", message=str(e))
         logger.warning("no scaling decision: %s", e)
         return None
-    if p95 is None:
+    if measured.p95_s is None and not measured.idle:
         _report(namespace, name, False, "NoSamples",
                 f"no decode steps observed in the last {spec.autoscaling.windowSeconds}s")
         return None
 
-    history = getattr(memo, "recommendations", [])
-    decision, memo.recommendations = autoscaler.decide(spec.replicas, p95, spec.autoscaling, history, now)
-    measured_ms = round(p95 * 1000.0, 3)
-    target_ms = spec.autoscaling.targetP95InterTokenLatencyMs
-    fields: dict = {"p95InterTokenLatencyMs": measured_ms}
-    if decision.replicas != spec.replicas:
-        kube.patch(kube.HYBRIDMODELS, namespace, name, {"spec": {"replicas": decision.replicas}})
-        fields.update(lastScaleTime=now_iso(), desiredReplicas=decision.replicas)
-        message = (f"{spec.replicas} -> {decision.replicas} replicas: p95 inter-token latency "
-                   f"{measured_ms:g} ms, target {target_ms:g} ms")
-        kopf.event(body, type="Normal", reason="ScaledUp" if decision.replicas > spec.replicas else "ScaledDown",
-                   message=message)
-        logger.info("%s", message)
-    write_status(namespace, name, fields, [condition(
-        SCALING_ACTIVE, True, decision.reason,
-        f"p95 {measured_ms:g} ms, target {target_ms:g} ms, recommended {decision.recommended}")])
+    # As the HPA does, a model first seen at N replicas counts as recommended N: an operator
+    # restart does not scale every idle model down at once.
+    history = getattr(memo, "recommendations", None) or [autoscaler.Recommendation(now, spec.replicas)]
+    decision, memo.recommendations = autoscaler.decide(spec.replicas, measured.p95_s, spec.autoscaling,
+                                                       history, now, ready=ready)
+    apply_decision(body, spec, decision, measured, logger)
     return decision
 
 
-def measure_p95(spec: HybridModelSpec, namespace: str, name: str, memo: Any, now: float) -> float | None:
-    """The p95 inter-token latency in seconds over the window; None without observations."""
+def apply_decision(body: dict, spec: HybridModelSpec, decision: autoscaler.Decision, measured: Measurement,
+                   logger: logging.Logger | logging.LoggerAdapter) -> None:
+    """Set the new replica count (with an event) and report the step in status."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    # None takes a stale p95 out of status while the model is idle.
+    fields: dict = {"p95InterTokenLatencyMs": None if measured.p95_s is None else _ms(measured.p95_s)}
+    if decision.replicas != spec.replicas:
+        kube.patch(kube.HYBRIDMODELS, namespace, name, {"spec": {"replicas": decision.replicas}})
+        fields.update(lastScaleTime=now_iso(), desiredReplicas=decision.replicas)
+        observed = _observed(spec, measured, "p95 inter-token latency")
+        message = f"{spec.replicas} -> {decision.replicas} replicas: {observed}"
+        kopf.event(body, type="Normal", reason="ScaledUp" if decision.replicas > spec.replicas else "ScaledDown",
+                   message=message)
+        logger.info("%s", message)
+    message = f"{_observed(spec, measured)}, recommended {decision.recommended}"
+    if measured.skipped:
+        message += f"; {len(measured.skipped)} Ready pod(s) left out, metrics unreadable: {measured.skipped[0]}"
+    write_status(namespace, name, fields, [condition(SCALING_ACTIVE, True, decision.reason, message)])
+
+
+def retire(body: dict, memo: Any) -> None:
+    """Autoscaling is off: forget the past, and say so where a ScalingActive condition remains."""
+    for attribute in ("recommendations", "pod_window"):
+        if hasattr(memo, attribute):
+            delattr(memo, attribute)
+    meta = body["metadata"]
+    conditions = (body.get("status") or {}).get("conditions") or []
+    active = next((c for c in conditions if c.get("type") == SCALING_ACTIVE), None)
+    if active is not None and active.get("reason") != "Disabled":
+        write_status(meta["namespace"], meta["name"], {}, [condition(
+            SCALING_ACTIVE, False, "Disabled", "spec.autoscaling.enabled is false")])
+
+
+def measure(spec: HybridModelSpec, namespace: str, name: str, memo: Any, now: float,
+            pods: list[dict] | None = None) -> Measurement:
+    """The p95 inter-token latency over the window, from the model's `pods` or from Prometheus."""
     metrics = spec.autoscaling.metrics
     window_seconds = spec.autoscaling.windowSeconds
     if metrics.source == "Prometheus":
         query = prometheus_query(metrics.prometheus.query, namespace, name, window_seconds)
         result = read_prometheus(metrics.prometheus.url, query)
-        return result if result is None or isinstance(result, float) else _p95(result)
-    if not isinstance(getattr(memo, "pod_window", None), PodWindow):
-        memo.pod_window = PodWindow()
-    pods = kube.list_labelled(kube.PODS, namespace, names.selector_labels(name))
-    return _p95(read_pods(pods, memo.pod_window, now, window_seconds))
+        # Buckets with no increase: the model's series exist and saw no decode step in the window.
+        reading = Reading(result, covers_window=isinstance(result, dict))
+    else:
+        if not isinstance(getattr(memo, "pod_window", None), PodWindow):
+            memo.pod_window = PodWindow()
+        if pods is None:
+            pods = kube.list_labelled(kube.PODS, namespace, names.selector_labels(name))
+        reading = read_pods(pods, memo.pod_window, now, window_seconds)
+    return _measurement(reading)
 
 
-def _p95(observed: Histogram | None) -> float | None:
-    return None if observed is None else quantile(P95, observed)
+def measure_p95(spec: HybridModelSpec, namespace: str, name: str, memo: Any, now: float) -> float | None:
+    """The p95 inter-token latency in seconds over the window; None without observations."""
+    return measure(spec, namespace, name, memo, now).p95_s
+
+
+def _measurement(reading: Reading) -> Measurement:
+    observed = reading.observed
+    if observed is None or isinstance(observed, float):
+        return Measurement(observed, skipped=reading.skipped)
+    p95 = quantile(P95, observed)
+    return Measurement(p95, idle=p95 is None and reading.covers_window, skipped=reading.skipped)
+
+
+def _observed(spec: HybridModelSpec, measured: Measurement, label: str = "p95") -> str:
+    if measured.p95_s is None:
+        return f"idle: no decode steps in the last {spec.autoscaling.windowSeconds}s"
+    return f"{label} {_ms(measured.p95_s):g} ms, target {spec.autoscaling.targetP95InterTokenLatencyMs:g} ms"
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+def _autoscaled_spec(body: dict | None) -> HybridModelSpec | None:
+    """The spec of a live HybridModel to autoscale now; None (reported if it matters) otherwise."""
+    if body is None or not _enabled(body):
+        return None
+    try:
+        spec = parse_spec(body.get("spec"))
+    except SpecError:
+        return None  # the reconciler reports the invalid spec
+    if spec.replicas == 0:
+        meta = body["metadata"]
+        _report(meta["namespace"], meta["name"], False, "ScalingDisabled",
+                "replicas is 0; scale up by hand to resume autoscaling")
+        return None
+    return spec
+
+
+def _enabled(body: dict) -> bool:
+    return bool(((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"))
 
 
 def _report(namespace: str, name: str, ok: bool, reason: str, message: str) -> bool:

@@ -29,6 +29,10 @@ _GGUF_PATH = re.compile(r"^([A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*/)*[A-Za-z0-9_@+
 _QUANTITY = re.compile(
     r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[kMGTPE]|([eE](\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 _URL = re.compile(r"^https?://\S+$")
+# A DNS-1035 label, as the CRD's rule on metadata.name: the name is also the Service's name and a
+# label value, and both allow no more.
+_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+NAME_MAX_LENGTH = 63
 DTYPES = ("bfloat16", "float32")  # what `tandem serve --dtype` accepts
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 METRICS_SOURCES = ("Pods", "Prometheus")
@@ -153,6 +157,14 @@ def parse_spec(raw: Mapping[str, Any] | None) -> HybridModelSpec:
     )
     _check_attention_memory(parsed)
     return parsed
+
+
+def check_name(name: str) -> None:
+    """Raise SpecError unless `name` can name the HybridModel's Service (a DNS-1035 label)."""
+    if len(name) > NAME_MAX_LENGTH or not _NAME.match(name):
+        raise SpecError(f"metadata.name {name!r} must be a DNS-1035 label: at most {NAME_MAX_LENGTH} lowercase "
+                        "letters, digits and '-', starting with a letter and ending with a letter or digit, as it "
+                        "also names the model's Service")
 
 
 def _check_attention_memory(spec: HybridModelSpec) -> None:

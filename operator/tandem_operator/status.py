@@ -115,6 +115,14 @@ def invalid_spec_status(message: str) -> tuple[dict, list[dict]]:
     ]
 
 
+def rejected_child_status(message: str) -> tuple[dict, list[dict]]:
+    """Status when the API server refuses a child the spec asks for: no rollout until the spec changes."""
+    return {"phase": "Degraded"}, [
+        condition(PROGRESSING, False, "ChildRejected", message),
+        condition(DEGRADED, True, "ChildRejected", message),
+    ]
+
+
 def _phase(desired: int, ready: int, problem: tuple[str, str] | None) -> str:
     if problem:
         return "Degraded"

@@ -50,3 +50,14 @@ def test_helm_does_not_load_crds_dir(chart):
     # the template would create the CRD twice and fail the release's ownership check.
     assert chart.crds == []
     assert not [f for f in chart.files if f["name"].startswith("crds/")]
+
+
+def test_the_name_rule_renders_at_the_root_and_reads_only_the_name(chart):
+    # At the root of the schema a CEL rule may read metadata.name and generateName, nothing
+    # else; kubernetes-validate (test_kubernetes_validate) checks the CRD's shape, not CEL.
+    crd = one(render_objects(chart), "CustomResourceDefinition")
+    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    (rule,) = root["x-kubernetes-validations"]
+    assert "self.metadata.name.matches(" in rule["rule"] and "size(self.metadata.name) <= 63" in rule["rule"]
+    assert "self.metadata." not in rule["rule"].replace("self.metadata.name", "")
+    assert "DNS-1035" in rule["message"]

@@ -7,9 +7,10 @@ import pytest
 from conftest import NON_DEFAULT_VALUES, by_kind, one, render_objects
 
 # (API group, resource, verb) the operator needs in each namespace it watches.
-# Read from operator/tandem_operator: kube.get/create/patch/delete and list_labelled calls, the
-# kopf handlers (on.event watches children and pods; timers and the finalizer patch the model),
-# kopf.warn/info (Events), status_store (status subresource).
+# Read from operator/tandem_operator: kube.get/create/patch and list_labelled calls, the kopf
+# handlers (on.event watches children and pods; kopf's annotations patch the model), kopf.warn/info
+# (Events), status_store (status subresource); `delete` on children because setting owner
+# references asks for it (OwnerReferencesPermissionEnforcement).
 CHILD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
 OPERATOR_NEEDS = {
     *{("tandem.dev", "hybridmodels", verb) for verb in ("get", "list", "watch", "patch")},

@@ -5,6 +5,7 @@ Services the operator really builds."""
 from __future__ import annotations
 
 import copy
+import re
 
 import jsonschema
 import pytest
@@ -84,3 +85,15 @@ def test_does_not_select_the_operator_itself(chart):
     selector = one(objects, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
     operator_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert not selector.items() <= operator_labels.items()
+
+
+def test_the_operators_default_query_selects_on_the_label_the_monitor_adds(chart):
+    # targetLabels copies the Service's label onto every series, its name made a valid Prometheus
+    # label name ("." and "/" become "_"): that is what the default PromQL selects the model by.
+    metrics_source = pytest.importorskip("tandem_operator.metrics_source")
+    monitor = one(render_objects(chart, {"serviceMonitor": {"enabled": True}}), "ServiceMonitor")
+    (label,) = monitor["spec"]["targetLabels"]
+    series_label = re.sub(r"[^a-zA-Z0-9_]", "_", label)
+    assert series_label == metrics_source.MODEL_SERIES_LABEL
+    query = metrics_source.prometheus_query(None, "models", "mixtral", 60)
+    assert f'{series_label}="mixtral"' in query and "pod=~" not in query

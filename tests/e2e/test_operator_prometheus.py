@@ -26,14 +26,16 @@ import yaml
 
 from tandem import contract
 from tandem_operator import autoscaler
+from tandem_operator.metrics_source import MODEL_SERIES_LABEL
 from tandem_operator.scaling import measure_p95
 from tandem_operator.spec import parse_spec
 
 # The operator tests' KMock and kopf fixtures, and their `tandem serve` helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-from hm_cluster import DEPLOYMENT, hybrid_model, model_path, wait_for  # noqa: E402
+from hm_cluster import DEPLOYMENT, core_path, hybrid_model, model_path, wait_for  # noqa: E402
 from kopf_fixtures import cluster, operator  # noqa: E402,F401 (fixtures)
 from tandem_serve import drive_load, observed_bucket_range_ms, scrape, tandem_serve  # noqa: E402
+from test_operator_kmock import pod  # noqa: E402
 
 NAMESPACE, NAME = "models", "mixtral"
 STARTUP_TIMEOUT_S = 60
@@ -65,14 +67,19 @@ def tandem_server(tmp_path_factory):
 
 @pytest.fixture
 def prometheus(prometheus_binary, tandem_server, tmp_path):
-    """A Prometheus scraping `tandem serve`'s /metrics every second, labelled as a pod of HybridModel NAME."""
+    """A Prometheus scraping `tandem serve`'s /metrics every second, labelled as a pod of HybridModel NAME.
+
+    The labels are those the chart's ServiceMonitor (or a `kubernetes-pods` job) gives a model's
+    series: the operator's default query selects on the model label.
+    """
     port = _free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{
             "job_name": "tandem",
             "static_configs": [{"targets": [f"127.0.0.1:{tandem_server.metrics_port}"],
-                                "labels": {"namespace": NAMESPACE, "pod": f"{NAME}-7d9f-abcde"}}],
+                                "labels": {"namespace": NAMESPACE, "pod": f"{NAME}-7d9f-abcde",
+                                           MODEL_SERIES_LABEL: NAME}}],
         }],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -123,8 +130,11 @@ async def test_operator_scales_from_prometheus(prometheus, tandem_server, cluste
     model = hybrid_model(NAME, autoscaling=autoscaling)
     model["metadata"]["namespace"] = NAMESPACE
     await cluster.create_model(model)
-    # Nothing decoded in the window yet: Prometheus answers zero increases and no decision is made.
-    await wait_for(lambda: _reason_is(cluster, "NoSamples"), timeout=STARTUP_TIMEOUT_S, what="NoSamples")
+    # The pod Prometheus scrapes, Ready: the autoscaler scales from the Ready pods it measured.
+    await cluster.create(core_path("pods"), pod(f"{NAME}-7d9f-abcde", NAME))
+    # Nothing decoded in the window yet: Prometheus answers zero increases, the model is idle at
+    # minReplicas already.
+    await wait_for(lambda: _reason_is(cluster, "Idle"), timeout=STARTUP_TIMEOUT_S, what="Idle")
     assert (await cluster.get(model_path(NAME)))["spec"]["replicas"] == 1
 
     assert await drive_load(tandem_server.address) > 0

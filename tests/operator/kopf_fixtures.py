@@ -17,7 +17,7 @@ from tandem_operator import handlers
 
 from hm_cluster import NS, Cluster, load_crd
 
-# Fast timers for tests; the resync timer is kept out of the way so drift repair is shown to
+# Fast loops for tests; the periodic resync is kept out of the way so drift repair is shown to
 # come from watch events, not from periodic polling.
 AUTOSCALE_INTERVAL = 0.2
 RESYNC_INTERVAL = 3600.0

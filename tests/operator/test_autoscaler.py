@@ -135,3 +135,45 @@ def test_bad_inputs_raise():
         rule(1, 0.1, 0.0, 0.1)
     with pytest.raises(ValueError):
         quantile(1.5, {math.inf: 1.0})
+
+
+def test_scale_up_waits_for_the_pods_it_asked_for():
+    # p95 stays at twice the target while new pods load (10 min here): the rule scales the Ready
+    # pods it measured, and asks for no more while some are still loading.
+    spec = AutoscalingSpec(enabled=True, minReplicas=1, maxReplicas=64, targetP95InterTokenLatencyMs=100)
+    replicas, history, seen = 1, [], []
+    for step in range(8):
+        now = step * 15.0
+        ready = 1 if now < 600 else replicas
+        decision, history = decide(replicas, 0.2, spec, history, now=now, ready=ready)
+        replicas = decision.replicas
+        seen.append((replicas, decision.reason))
+    assert seen == [(2, "ScaleUp")] + [(2, "PodsNotReady")] * 7
+    decision, _ = decide(2, 0.2, spec, history, now=600.0, ready=2)  # both loaded, still 2x the target
+    assert (decision.replicas, decision.reason) == (4, "ScaleUp")
+
+
+def test_the_rule_scales_the_ready_pods():
+    # 4 replicas, 2 of them Ready, at half the target: ceil(2 x 0.5) = 1, not ceil(4 x 0.5) = 2.
+    decision, _ = decide(4, 0.05, SPEC, [], now=0.0, ready=2)
+    assert (decision.replicas, decision.reason) == (1, "ScaleDown")
+    # Above target never means fewer replicas: ceil(1 x 1.5) = 2 of 4 is no scale-down.
+    assert rule(4, 0.15, 0.1, 0.1, ready=1) == 4
+    with pytest.raises(ValueError, match="Ready pod"):
+        decide(2, 0.2, SPEC, [], now=0.0, ready=0)
+
+
+def test_idle_scales_down_to_min_after_the_stabilisation_window():
+    history = [Recommendation(0.0, 6)]  # the last busy moment
+    decision, history = decide(6, None, SPEC, history, now=60.0)  # no decode steps in a whole window
+    assert (decision.replicas, decision.recommended, decision.reason) == (6, 1, "Idle")
+    decision, history = decide(6, None, SPEC, history, now=301.0)
+    assert (decision.replicas, decision.reason) == (1, "ScaleDown")
+    decision, _ = decide(1, None, SPEC, history, now=320.0)
+    assert (decision.replicas, decision.reason) == (1, "Idle")
+
+
+@pytest.mark.parametrize("measured", [math.nan, math.inf, -math.inf])
+def test_non_finite_latency_is_refused(measured):
+    with pytest.raises(ValueError):
+        rule(2, measured, 0.1, 0.1)

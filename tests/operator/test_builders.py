@@ -92,12 +92,14 @@ def test_default_placement_is_amd_single_numa_gpu_one_per_node():
     assert anti == {"labelSelector": {"matchLabels": {names.MODEL_LABEL: "mx"}},
                     "topologyKey": "kubernetes.io/hostname"}
     assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert "nodeSelector" not in spec
+    # None, not missing: the operator owns the key, so it deletes it from a Deployment that has it.
+    assert spec["nodeSelector"] is None and spec["imagePullSecrets"] is None
 
 
 def test_placement_overrides_replace_defaults():
     spec = pod_spec(SPECS["custom-placement"])
-    assert spec["affinity"] == {"nodeAffinity": SPECS["custom-placement"]["placement"]["nodeAffinity"]}
+    node_affinity = SPECS["custom-placement"]["placement"]["nodeAffinity"]
+    assert spec["affinity"] == {"nodeAffinity": {**node_affinity, placement.PREFERRED: None}, "podAntiAffinity": None}
     assert spec["tolerations"] == []
     assert spec["nodeSelector"] == {"topology.kubernetes.io/zone": "a"}
 
@@ -192,6 +194,18 @@ def test_probes_use_grpc_health():
     script = command[command.index("-c") + 1]
     compile(script, "probe", "exec")
     assert "HealthStub" in script
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_a_slow_healthy_load_is_not_a_stuck_rollout(name):
+    # The Deployment controller reports ProgressDeadlineExceeded (shown as Degraded) after
+    # progressDeadlineSeconds without progress: that must outlast the slowest load the startup
+    # probes allow, with room to schedule the pod and pull its image.
+    deployment = children(SPECS[name])["Deployment"]
+    startup = max(c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"]
+                  + c["startupProbe"].get("initialDelaySeconds", 0) for c in containers(SPECS[name]).values())
+    assert startup >= 1800
+    assert deployment["spec"]["progressDeadlineSeconds"] >= startup + 600
 
 
 def test_container_commands_follow_the_contract():

@@ -4,6 +4,7 @@ and its defaults equal the operator's."""
 from __future__ import annotations
 
 import copy
+import re
 
 import jsonschema
 import pytest
@@ -11,7 +12,7 @@ from hm_cluster import crd_schema, hybrid_model, load_crd
 
 from tandem_operator import names
 from tandem_operator.spec import (AttentionSpec, AutoscalingSpec, ExpertsSpec, KVCacheSpec, PlacementSpec,
-                                  SpecError, parse_spec)
+                                  SpecError, check_name, parse_spec)
 
 GOOD = {
     "minimal": {},
@@ -100,11 +101,31 @@ def test_bad_specs_fail_schema_and_parser(name):
 
 @pytest.mark.parametrize("name", BAD_CEL)
 def test_cross_field_rules_are_declared_and_enforced(name):
-    rules = [r["rule"] for r in _walk_validations(crd_schema())]
+    rules = [r["rule"] for r in _walk_validations(crd_schema()["properties"]["spec"])]
     assert len(rules) == 4
     overrides, message = BAD_CEL[name]
     with pytest.raises(SpecError, match=message):
         parse_spec(body(overrides)["spec"])
+
+
+# The name also names the Service and is a label value: a DNS-1035 label (not just a DNS subdomain).
+NAMES = {"mixtral": True, "mixtral-8x7b": True, "a": True, "a" * 63: True, "a" * 64: False, "9lives": False,
+         "Mixtral": False, "mixtral.v2": False, "mixtral-": False, "-mixtral": False, "mixtral_8x7b": False}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_name_rule_is_declared_at_the_root_and_enforced(name):
+    # A rule at the root may read metadata.name. No CEL evaluator here: its two checks are run
+    # with Python's re, which reads this anchored pattern as RE2 (CEL's `matches`) does.
+    (rule,) = crd_schema()["x-kubernetes-validations"]
+    pattern = re.search(r"matches\('(.+?)'\)", rule["rule"]).group(1)
+    limit = int(re.search(r"size\(self\.metadata\.name\) <= (\d+)", rule["rule"]).group(1))
+    assert (len(name) <= limit and re.search(pattern, name) is not None) is NAMES[name]
+    if NAMES[name]:
+        check_name(name)
+    else:
+        with pytest.raises(SpecError, match="metadata.name .* must be a DNS-1035 label"):
+            check_name(name)
 
 
 @pytest.mark.parametrize("memory, tier, ok", [("32Gi", 8, True), ("32Gi", 32, False), ("16Gi", 64, False),

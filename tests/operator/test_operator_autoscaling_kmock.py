@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from fake_metrics import exposition, fake_server
 from hm_cluster import DEPLOYMENT, core_path, hybrid_model, model_path, wait_for
 from tandem_serve import drive_load, observed_bucket_range_ms, scrape
 from test_operator_kmock import condition, pod
@@ -62,6 +63,39 @@ async def test_unreadable_metrics_make_no_decision(cluster, operator):
     assert "127.0.0.1:1/metrics" in condition(model, "ScalingActive")["message"]
     assert model["spec"]["replicas"] == 1
     await wait_for(lambda: cluster.events("FailedGetMetrics"), what="a FailedGetMetrics event")
+
+
+async def test_an_unreachable_pod_does_not_stop_scaling(cluster, operator):
+    with fake_server() as metrics:
+        metrics.metrics = exposition({0.05: 0.0, 0.1: 0.0, 0.25: 0.0})
+        await cluster.create_model(hybrid_model("mixed", replicas=2, autoscaling=AUTOSCALING))
+        await cluster.create(core_path("pods"), pod("mixed-1", "mixed", metrics_port=metrics.port))
+        await cluster.create(core_path("pods"), pod("mixed-2", "mixed", metrics_port=1))  # nothing listens
+        await wait_for(lambda: _is(scaling_reason(cluster, "mixed"), "NoSamples"), what="a baseline scrape")
+
+        metrics.metrics = exposition({0.05: 0.0, 0.1: 0.0, 0.25: 100.0})  # p95 ~240 ms, target 50 ms
+        model = await wait_for(lambda: _with_status(cluster, "mixed", "desiredReplicas", 4), what="desiredReplicas 4")
+    active = condition(model, "ScalingActive")
+    assert active["status"] == "True" and active["reason"] == "ScaleUp"
+    assert "1 Ready pod(s) left out" in active["message"] and "127.0.0.1:1/metrics" in active["message"]
+
+
+async def test_an_idle_model_scales_down_to_min_and_disabling_says_so(cluster, operator):
+    autoscaling = dict(AUTOSCALING, windowSeconds=1, scaleDownStabilizationSeconds=0)
+    with fake_server() as metrics:
+        metrics.metrics = exposition({0.05: 40.0})  # served before: nothing new in any window from now
+        await cluster.create_model(hybrid_model("quiet", replicas=3, autoscaling=autoscaling))
+        await cluster.create(core_path("pods"), pod("quiet-1", "quiet", metrics_port=metrics.port))
+        model = await wait_for(lambda: _with_status(cluster, "quiet", "desiredReplicas", 1),
+                               what="scaled down to minReplicas")
+    assert model["spec"]["replicas"] == 1 and "p95InterTokenLatencyMs" not in model["status"]
+    (event,) = await wait_for(lambda: cluster.events("ScaledDown"), what="a ScaledDown event")
+    assert "3 -> 1 replicas: idle" in event["message"]
+
+    # Autoscaling switched off: the condition says so instead of keeping its last reason.
+    await cluster.patch(model_path("quiet"), {"spec": {"autoscaling": {"enabled": False}}})
+    await wait_for(lambda: _is(scaling_reason(cluster, "quiet"), "Disabled"), what="ScalingActive Disabled")
+    assert condition(await cluster.get(model_path("quiet")), "ScalingActive")["status"] == "False"
 
 
 async def _is(awaitable, expected):

@@ -70,19 +70,26 @@ async def test_spec_change_rolls_out_and_drift_is_repaired(cluster, operator):
     await wait_for(lambda: cluster.events("DriftRepaired"), what="a DriftRepaired event")
 
 
-async def test_delete_removes_children(cluster, operator):
-    await cluster.create_model(hybrid_model("gone"))
+async def test_deletion_is_never_blocked_by_a_finalizer(cluster, operator):
+    # The children go with their HybridModel through the garbage collector (controller owner
+    # references); no finalizer means deletion works with no operator running, e.g. after
+    # `helm uninstall`.
+    await cluster.create_model(hybrid_model("gone", autoscaling={
+        "enabled": True, "maxReplicas": 2, "targetP95InterTokenLatencyMs": 50}))
     await wait_for(lambda: cluster.get(PDB("gone")), what="children")
-    model = await cluster.get(model_path("gone"))
-    assert "tandem.dev/cleanup" in model["metadata"]["finalizers"]
+
+    async def reported():
+        model = await cluster.get(model_path("gone"))
+        return model if (model.get("status") or {}).get("conditions") else None
+
+    model = await wait_for(reported, what="status written")
+    assert not model["metadata"].get("finalizers")
+    for child in (DEPLOYMENT("gone"), SERVICE("gone"), PDB("gone")):
+        (ref,) = (await cluster.get(child))["metadata"]["ownerReferences"]
+        assert ref["uid"] == "uid-gone" and ref["controller"] and ref["blockOwnerDeletion"]
 
     await cluster.delete(model_path("gone"))
-
-    async def all_gone():
-        paths = (model_path("gone"), DEPLOYMENT("gone"), SERVICE("gone"), PDB("gone"))
-        return all([await cluster.get(p) is None for p in paths])
-
-    await wait_for(all_gone, what="the HybridModel and its children deleted")
+    assert await cluster.get(model_path("gone")) is None
 
 
 async def test_status_follows_deployment_and_pods(cluster, operator):

@@ -27,8 +27,8 @@ created or deleted (cluster-wide it watches objects across all namespaces instea
 What the operator does to HybridModels and their children, in the namespaces it watches.
 */}}
 {{- define "tandem.rbac.operatorRules" -}}
-# HybridModels: watched; patched for kopf's finalizer and bookkeeping annotations, and for
-# spec.replicas by the autoscaler.
+# HybridModels: watched; patched for kopf's bookkeeping annotations (and to remove the
+# finalizer older operator versions added), and for spec.replicas by the autoscaler.
 - apiGroups: ["tandem.dev"]
   resources: ["hybridmodels"]
   verbs: ["get", "list", "watch", "patch"]
@@ -36,8 +36,9 @@ What the operator does to HybridModels and their children, in the namespaces it 
 - apiGroups: ["tandem.dev"]
   resources: ["hybridmodels/status"]
   verbs: ["patch"]
-# Children: watched for drift, created, patched back when they drift, and deleted with their
-# HybridModel (owner references would also let the garbage collector do it, later).
+# Children: watched for drift, created, and patched back when they drift. The garbage collector
+# deletes them with their HybridModel; `delete` is what the OwnerReferencesPermissionEnforcement
+# admission plugin asks of whoever sets a child's owner references.
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
