@@ -13,14 +13,15 @@ from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
 from tandem.model.config import load_config
 from tandem.model.deepseek_attention import LATENT, MlaAttention, apply_rope_interleaved
 from tandem.model.deepseek_config import MlaDims
-from tandem.model.deepseek_mla import absorbed_attention, expanded_attention, paged_latent_attention
+from tandem.model.deepseek_mla import absorbed_decode, expanded_attention, paged_latent_attention
 
 DIMS = MlaDims(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                rope_interleave=True, softmax_scale=24**-0.5)
 HEADS, BLOCK = 4, 4
 
 
-def random_batch(seed: int, starts: list[int], lens: list[int], tables: list[list[int]], num_blocks: int = 16):
+def random_batch(seed: int, starts: list[int], lens: list[int], tables: list[list[int]], num_blocks: int = 16,
+                 heads: int = HEADS):
     """A cache whose blocks hold random latents, and queries for `lens` new tokens per sequence."""
     g = torch.Generator().manual_seed(seed)
     cache = torch.zeros(num_blocks, BLOCK, DIMS.latent_dim)
@@ -29,18 +30,20 @@ def random_batch(seed: int, starts: list[int], lens: list[int], tables: list[lis
         write_kv(cache, ctx.slot_mapping, torch.randn(start + n, DIMS.latent_dim, generator=g))
     meta = AttentionMetadata.build(starts, lens, tables, BLOCK, torch.device("cpu"))
     t = sum(lens)
-    q_nope = torch.randn(t, HEADS, DIMS.qk_nope_head_dim, generator=g)
-    q_pe = torch.randn(t, HEADS, DIMS.qk_rope_head_dim, generator=g)
-    kv_b = torch.randn(HEADS * (DIMS.qk_nope_head_dim + DIMS.v_head_dim), DIMS.kv_lora_rank, generator=g) * 0.2
+    q_nope = torch.randn(t, heads, DIMS.qk_nope_head_dim, generator=g)
+    q_pe = torch.randn(t, heads, DIMS.qk_rope_head_dim, generator=g)
+    kv_b = torch.randn(heads * (DIMS.qk_nope_head_dim + DIMS.v_head_dim), DIMS.kv_lora_rank, generator=g) * 0.2
     return q_nope, q_pe, cache, meta, kv_b
 
 
-def test_absorbed_form_equals_expanded_form():
-    # Three sequences mid-prefill and mid-decode, with blocks scattered over the cache.
-    q_nope, q_pe, cache, meta, kv_b = random_batch(0, [0, 7, 3], [5, 3, 6], [[3, 1], [0, 5, 9], [12, 2, 4]])
-    absorbed = absorbed_attention(q_nope, q_pe, cache, meta, kv_b, DIMS)
+@pytest.mark.parametrize("heads", [HEADS, 32])  # 32 on one latent: past the native kernel's group, the GEMM path
+def test_absorbed_form_equals_expanded_form(heads):
+    # Three sequences decoding, with blocks scattered over the cache.
+    q_nope, q_pe, cache, meta, kv_b = random_batch(0, [4, 10, 8], [1, 1, 1], [[3, 1], [0, 5, 9], [12, 2, 4]],
+                                                   heads=heads)
+    absorbed = absorbed_decode(q_nope, q_pe, cache, meta, kv_b, DIMS)
     expanded = expanded_attention(q_nope, q_pe, cache, meta, kv_b, DIMS)
-    assert absorbed.shape == (14, HEADS, DIMS.v_head_dim)
+    assert absorbed.shape == (3, heads, DIMS.v_head_dim)
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
     assert absorbed.abs().max() > 0.1  # not trivially zero
 

@@ -4,7 +4,7 @@ Each cached token is one vector [kv_lora_rank + qk_rope_head_dim]: the normalise
 followed by the roped key part `k_pe` that all heads share. Per-head keys and values are
 `kv_b_proj(c)` split into (k_nope [H, nope], v [H, v]). Two equal ways to attend:
 
-- absorbed (decode): fold k_nope's projection into the query, q_lat = q_nope @ W_uk [H, r], so
+- absorbed (decodes): fold k_nope's projection into the query, q_lat = q_nope @ W_uk [H, r], so
   scores are q_lat . c + q_pe . k_pe against the latent directly (one shared "KV head"); the
   weighted latent goes out through W_uv. Reads r + rope numbers per cached token, not H * (d + v).
 - expanded (prefill): project every cached latent to full K and V and run ordinary attention,
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.kv.attention import AttentionMetadata, gather_kv, paged_attention, shared_kv_head_attention
+from tandem.kv.attention import AttentionMetadata, gather_kv, paged_attention
 from tandem.model.deepseek_config import MlaDims
 
 
@@ -35,17 +35,35 @@ def paged_latent_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torc
     t, h = q_nope.shape[:2]
     out = q_nope.new_empty(t, h, dims.v_head_dim)  # [T, H, v]
     single = meta.query_valid.sum(dim=1) == 1  # [B]
-    for rows, attend in ((single, absorbed_attention), (~single, expanded_attention)):
-        if not bool(rows.any()):
-            continue
-        sub = select_sequences(meta, rows)
-        tokens = sub.query_index[sub.query_valid]  # [t] positions in the T tokens
-        out[tokens] = attend(q_nope, q_pe, cache, sub, kv_b_weight, dims)
+    if bool(single.any()):
+        tokens = meta.query_index[single, 0]  # [b] each decode's position in the T tokens
+        out[tokens] = absorbed_decode(q_nope[tokens], q_pe[tokens], cache, decodes_of(meta, single), kv_b_weight,
+                                      dims)
+    if not bool(single.all()):
+        sub = chunks_of(meta, ~single)
+        out[sub.query_index[sub.query_valid]] = expanded_attention(q_nope, q_pe, cache, sub, kv_b_weight, dims)
     return out
 
 
-def select_sequences(meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMetadata:
-    """The metadata of the sequences where `rows` [B] is True, queries trimmed to their longest chunk."""
+def decodes_of(meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMetadata:
+    """A decode step's metadata for the sequences where `rows` [B] is True, each with one new token:
+    its queries are the b tokens taken out in sequence order (query_index 0..b-1)."""
+    b = int(rows.sum())
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[:0],  # attention writes nothing
+        block_tables=meta.block_tables[rows],
+        query_index=torch.arange(b, device=rows.device).view(b, 1),
+        query_valid=torch.ones(b, 1, dtype=torch.bool, device=rows.device),
+        query_pos=meta.query_pos[rows, :1],
+        seq_lens=meta.seq_lens[rows],
+        key_len=meta.key_len,
+        sliding_window=meta.sliding_window,
+    )
+
+
+def chunks_of(meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMetadata:
+    """The metadata of the sequences where `rows` [B] is True, queries trimmed to their longest chunk
+    and still indexing the step's T tokens."""
     valid = meta.query_valid[rows]  # [b, Qmax]
     q_max = int(valid.sum(dim=1).max())
     return AttentionMetadata(
@@ -78,20 +96,10 @@ def unabsorb_output(latent_out: torch.Tensor, kv_b_weight: torch.Tensor, dims: M
     return torch.einsum("thr,hvr->thv", latent_out, w_uv)
 
 
-def absorbed_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:
-    """Attention against the latent itself: one shared key/value head of width r + rope / r."""
-    q = absorb_query(q_nope, q_pe, kv_b_weight, dims)[meta.query_index].transpose(1, 2)  # [B, H, Q, r + rope]
-    latent = gather_kv(cache, meta.block_tables)[:, None]  # [B, 1, L, r + rope]: one KV head for all
-    out = shared_kv_head_attention(q, latent, latent[..., : dims.kv_lora_rank], meta.mask,
-                                   dims.softmax_scale)  # [B, H, Q, r]
-    out = out.transpose(1, 2)[meta.query_valid]  # [t, H, r]
-    return unabsorb_output(out, kv_b_weight, dims)  # [t, H, v]
-
-
 def absorbed_decode(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:
-    """`absorbed_attention` for one token per sequence, through `paged_attention`: on CUDA the
-    Triton decode kernel (every head on the latent as one KV head, its first r numbers the value),
-    which reads the blocks in place and which a CUDA graph captures."""
+    """Attention against the latent itself, one token per sequence, through `paged_attention`: every
+    head on the latent as one shared KV head, its first r numbers the value. On CUDA that is the
+    Triton decode kernel, which reads the blocks in place and which a CUDA graph captures."""
     q = absorb_query(q_nope, q_pe, kv_b_weight, dims)  # [T, H, r + rope]
     latent = cache[:, :, None]  # [blocks, block_size, 1, r + rope]: one KV head for all
     out = paged_attention(q, latent, latent[..., : dims.kv_lora_rank], meta, dims.softmax_scale)  # [T, H, r]
