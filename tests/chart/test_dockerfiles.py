@@ -108,6 +108,22 @@ def test_server_image_pins_torch_as_pyproject_does():
     assert {line.split()[1] for line, _ in final_stages(path)} == {"${PYTHON_IMAGE}", "${CUDA_IMAGE}"}
 
 
+def test_server_images_ship_the_native_kernel_built():
+    # Built where the compiler is, after the package, and required (a failed build fails the
+    # image); found by the final stages at the same path, with the OpenMP runtime it links.
+    path = DOCKER_DIR / "tandem.Dockerfile"
+    installing = [body for _, body in stages(path) if any("/wheels/*.whl" in i for i in body)]
+    for body in installing:
+        text = " ".join(body)
+        assert "g++" in text and "TANDEM_EXPERTS_KERNEL_DIR=/opt/tandem/kernels" in text
+        install = next(line for line in body if "/wheels/*.whl" in line and "pip install" in line)
+        assert install.index("/wheels/*.whl") < install.index("tandem.experts.build --require")
+    for line, body in final_stages(path):
+        text = " ".join(body)
+        assert "TANDEM_EXPERTS_KERNEL_DIR=/opt/tandem/kernels" in text and "libgomp1" in text, line
+        assert "g++" not in text, line
+
+
 def test_operator_image_has_no_torch_and_pyprojects_pins():
     path = DOCKER_DIR / "operator.Dockerfile"
     text = path.read_text()

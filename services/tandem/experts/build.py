@@ -1,7 +1,8 @@
-"""`python -m tandem.experts.build`: build (or find) the native expert kernel now.
+"""`python -m tandem.experts.build [--require] [-v]`: build (or find) the native expert kernel now.
 
 `make install` runs it so the first request does not pay for the compile. It never fails the
-install: without a compiler the executor uses torch's kernels, and this says so.
+install: without a compiler the executor uses torch's kernels, and this says so. `--require`
+(the container images' build) exits 1 instead.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ def main() -> int:
     kernel = load_kernel(verbose="-v" in sys.argv)
     if kernel is None:
         print(f"native expert kernel not built ({unavailable_reason()}); torch kernels will be used")
-    else:
-        print(f"native expert kernel ready: isa={kernel.isa()} supported={kernel.supported_isas()}")
+        return 1 if "--require" in sys.argv else 0
+    print(f"native expert kernel ready: isa={kernel.isa()} supported={kernel.supported_isas()}")
     return 0
 
 
