@@ -128,6 +128,101 @@ def test_stop_string_truncates_text(model_dir):
     assert stop not in stopped.text
 
 
+def finish(e: LLMEngine, max_steps: int = 400) -> dict[str, list[int]]:
+    """Steps until nothing is left, at most `max_steps` (a scheduler that never admits fails)."""
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not e.has_unfinished_requests():
+            return tokens
+        for out in e.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError(f"not finished after {max_steps} steps: {e.stats()}")
+
+
+def test_a_cached_prefix_longer_than_the_device_tier_leaves_room_for_a_chunk(model_dir):
+    # A 40-token prompt on a device tier of 32 tokens: prefilled in chunks, then decoded on the
+    # CPU tier. Its 8 full blocks stay cached on the device: run again, all 8 hit, and with the
+    # next chunk they would need 9 of the tier's 8 blocks; only 7 can be used.
+    e = engine(model_dir, block_size=4, num_device_blocks=8, num_cpu_blocks=64, max_model_len=64,
+               max_num_batched_tokens=16)
+    prompt = prompts(1, 40)[0]
+    e.add_request("first", prompt, GREEDY)
+    first = finish(e)["first"]
+    e.add_request("again", prompt, GREEDY)
+    e.add_request("behind", prompts(2)[1], GREEDY)  # waits behind it: first come, first served
+    again = finish(e)
+    assert again["again"] == first
+    assert again["behind"] == engine(model_dir).generate([prompts(2)[1]], GREEDY)[0].token_ids
+    assert e.block_manager.prefix_cache_hit_tokens > 0  # the prefix cache was used, not bypassed
+    assert sum(e.stats().kv_blocks_used.values()) == 0
+
+
+def test_an_abort_during_a_streamed_run_leaves_the_others_their_own_tokens(model_dir):
+    requests = {rid: (p, GREEDY) for rid, p in zip("abc", prompts(3))}
+    reference, _ = run(engine(model_dir, num_scheduler_steps=6), requests, stream=True)
+    e = engine(model_dir, num_scheduler_steps=6)
+    for rid, (prompt, params) in requests.items():
+        e.add_request(rid, prompt, params)
+    got: dict[str, list[int]] = {rid: [] for rid in requests}
+
+    def emit(outputs):
+        for out in outputs:
+            got[out.request_id].extend(out.new_token_ids)
+        if len(got["a"]) == 3 and "a" in e.requests:
+            e.abort_request("a")  # a caller cancelling from emit, inside the run
+
+    while e.has_unfinished_requests():
+        for out in e.step(emit=emit):
+            got[out.request_id].extend(out.new_token_ids)
+    assert got["a"] == reference["a"][0][:3]
+    assert got["b"] == reference["b"][0] and got["c"] == reference["c"][0]
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 1.5, "7", True])
+def test_a_seed_torch_cannot_take_is_refused(seed):
+    with pytest.raises(InvalidRequest, match="seed"):
+        SamplingParams(max_tokens=4, seed=seed)
+
+
+def test_a_request_that_fails_to_be_added_leaves_nothing_queued(model_dir):
+    e = engine(model_dir)
+    params = SamplingParams(max_tokens=4, seed=1)
+    object.__setattr__(params, "seed", 2**64)  # past the checks: whatever raises in add_request
+    with pytest.raises((RuntimeError, ValueError)):
+        e.add_request("bad", prompts(1)[0], params)
+    assert not e.has_unfinished_requests() and e.stats().num_waiting == 0
+    [out] = e.generate(prompts(1), GREEDY)  # and the engine goes on
+    assert out.finish_reason == "length"
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(model_dir):
+    e = engine(model_dir)
+    n = 12
+    [full] = e.generate(prompts(1), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    [before] = e.generate(prompts(1), SamplingParams(max_tokens=n - 1, temperature=0.0, ignore_eos=True))
+    assert full.text.startswith(before.text) and len(full.text) > len(before.text)
+    # the shortest tail of the text that occurs nowhere earlier: it ends with the last token's text
+    stop = next(full.text[-m:] for m in range(1, len(full.text) + 1) if full.text.find(full.text[-m:]) == len(
+        full.text) - m)
+    [stopped] = e.generate(prompts(1), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: -len(stop)]
+
+
+def test_stop_strings_that_never_occur_change_no_text(model_dir):
+    # A stop string's length of text is held back while it may begin there; a request that ends
+    # for another reason (a stop token, its length) still gets all of it.
+    e = engine(model_dir)
+    [free] = e.generate(prompts(1), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    never = "\x00never\x00"
+    stop_id = free.token_ids[9]
+    for params in (dict(max_tokens=16, ignore_eos=True), dict(max_tokens=16, stop_token_ids=(stop_id,))):
+        [plain] = e.generate(prompts(1), SamplingParams(temperature=0.0, **params))
+        [held] = e.generate(prompts(1), SamplingParams(temperature=0.0, stop=(never,), **params))
+        assert held.finish_reason == plain.finish_reason
+        assert held.text == plain.text and len(plain.text) > len(never)
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(model_dir):
     e = engine(model_dir)
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)

@@ -31,6 +31,7 @@ from tandem.model.moe import wrap_executors
 
 GiB = 1 << 30
 log = logging.getLogger(__name__)
+MAX_REQUEST_ID = 256  # characters
 
 
 @dataclass
@@ -171,24 +172,28 @@ class LLMEngine:
     # requests
 
     def encode(self, text: str) -> list[int]:
+        """Safe to call from any thread. (`encode_batch` runs without the GIL, `encode` holds it:
+        a long text would stall every other thread for as long as it takes.)"""
         if self.tokenizer is None:
             raise InvalidRequest("prompt", "this model has no tokenizer.json: send prompt token ids instead")
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises InvalidRequest for bad input, QueueFull when the waiting queue is full."""
         self._validate(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params)
-        self.scheduler.add(seq)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop) if self.tokenizer else None
+        self.scheduler.add(seq)  # last: whatever raises before it leaves nothing queued
         self.requests[request_id] = _Request(seq, generator, detok)
 
     def _validate(self, request_id, prompt, params: SamplingParams) -> None:
         if not request_id:
             raise InvalidRequest("request_id", "must not be empty")
+        if len(request_id) > MAX_REQUEST_ID:  # it is echoed in every streamed message
+            raise InvalidRequest("request_id", f"must be at most {MAX_REQUEST_ID} characters, got {len(request_id)}")
         if request_id in self.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         if len(prompt) == 0:
@@ -197,6 +202,9 @@ class LLMEngine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:  # no room for one token, whatever max_tokens says
+            raise InvalidRequest("prompt", f"{len(prompt)} tokens leave no room to generate within the context "
+                                 f"length {self.max_model_len}")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(
                 "max_tokens", f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
@@ -260,7 +268,7 @@ class LLMEngine:
 
     def _postprocess(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]
-        if req.detok is not None and not seq.is_finished:
+        if req.detok is not None:
             new = seq.output_token_ids[req.reported:]
             # With stop strings, the tokens of a multi-step decode go in one at a time: those after
             # the token that completes a stop string are dropped, as the scheduler drops a stop token's.
@@ -269,7 +277,11 @@ class LLMEngine:
                 req.pending_text += delta
                 if hit:
                     del seq.output_token_ids[req.reported + i + len(chunk):]
-                    self.scheduler.finish(seq.request_id, "stop")
+                    req.stopped_by_string = True
+                    if seq.is_finished:  # by the same token, for its length: the stop string comes first
+                        seq.finish_reason = "stop"
+                    else:
+                        self.scheduler.finish(seq.request_id, "stop")
                     break
         return self._output(req, finished=seq.is_finished)
 
@@ -281,7 +293,7 @@ class LLMEngine:
             if len(req.detok.ids) < seq.num_output_tokens:
                 delta, _ = req.detok.add(seq.output_token_ids[len(req.detok.ids):])
                 text += delta
-            if finished and seq.finish_reason != "stop":
+            if finished and not req.stopped_by_string:  # the tail held back in case a stop string began there
                 text += req.detok.flush()
         req.reported = seq.num_output_tokens
         if finished:
@@ -348,19 +360,22 @@ class _StreamedRun:
     the stop strings) and emits the outputs. True: go on with the run."""
 
     def __init__(self, engine: LLMEngine, out: SchedulerOutput, emit, interrupted):
-        self.engine, self.out, self.emit, self.interrupted = engine, out, emit, interrupted
+        self.engine, self.emit, self.interrupted = engine, emit, interrupted
+        # The run's sequences in the order its tokens come in. A copy: an abort during the run
+        # (from emit or interrupted) replaces the pending step's list with a shorter one.
+        self.scheduled = list(out.scheduled)
         self.steps = 0  # steps applied
 
     def __call__(self, i: int, tokens: list[int]) -> bool:
         if i != self.steps:
             raise RuntimeError(f"decode step {i} of a streamed run, after {self.steps} applied")
         engine, self.steps = self.engine, i + 1
-        step = SchedulerOutput([replace(w, start_pos=w.start_pos + i, num_steps=1) for w in self.out.scheduled])
-        changed = engine.scheduler.update(step, {w.seq.request_id: t for w, t in zip(self.out.scheduled, tokens)})
+        step = SchedulerOutput([replace(w, start_pos=w.start_pos + i, num_steps=1) for w in self.scheduled])
+        changed = engine.scheduler.update(step, {w.seq.request_id: t for w, t in zip(self.scheduled, tokens)})
         outputs = [engine._postprocess(seq) for seq in changed if seq.request_id in engine.requests]
         if outputs:
             self.emit(outputs)
-        running = any(not w.seq.is_finished for w in self.out.scheduled)
+        running = any(not w.seq.is_finished for w in self.scheduled)
         return running and not (self.interrupted is not None and self.interrupted())
 
     def check_done(self, sampled: dict[str, list[int]]) -> None:
@@ -377,6 +392,7 @@ class _Request:
     detok: IncrementalDetokenizer | None
     reported: int = 0  # output tokens already returned
     pending_text: str = ""
+    stopped_by_string: bool = False  # its text ends before a stop string
 
 
 def load_tokenizer(model_dir: str | Path):

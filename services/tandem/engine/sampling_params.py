@@ -37,6 +37,9 @@ class SamplingParams:
             raise InvalidRequest("top_k", f"must be >= 0 (0 turns it off), got {self.top_k}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(1 << 63) <= self.seed < 1 << 64):
+            raise InvalidRequest("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -123,6 +123,7 @@ class Scheduler:
                              f"{config.max_model_len}; lower max_model_len or give the KV cache more blocks")
         self.config = config
         self.block_manager = block_manager
+        self._device = block_manager.num_total_blocks(DEVICE)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -267,6 +268,12 @@ class Scheduler:
             seq = self.waiting[0]
             computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - num_cached, step.budget)
+            # A cached prefix that leaves no room on the device tier for a chunk after it (a long
+            # prompt run before, then moved to the CPU tier) would never fit: use only what does.
+            while computed_blocks and len(computed_blocks) + self.block_manager.blocks_needed(num_new) > self._device:
+                computed_blocks = computed_blocks[:-1]
+                num_cached -= self.block_manager.block_size
+                num_new = min(seq.num_tokens - num_cached, step.budget)
             if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
                 return  # first come, first served: later requests do not jump ahead
             self.waiting.popleft()
