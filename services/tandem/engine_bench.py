@@ -305,8 +305,10 @@ def bench_split(args, concurrency: list[int], bandwidth: dict | None) -> dict:
                                 "split": (split_engine, attention_cores, attention_threads)},
                                args.rounds, args.prompt_len, args.gen_len)
     finally:
-        args.expert_executor = None
+        executor, args.expert_executor = args.expert_executor, None
         run_on(all_cores, threads)
+        if executor is not None:
+            executor.close()  # the experts process serves a connected attention side on past SIGTERM
         if experts_proc is not None:
             experts_proc.terminate()
             experts_proc.wait(timeout=30)

@@ -18,7 +18,7 @@ import torch
 from test_experts_cpu import batch, dequantized_reference, layers, rel_err  # noqa: F401 (layers is a fixture)
 
 from tandem.experts import shared_weights
-from tandem.experts.base import ExpertsUnavailable
+from tandem.experts.base import ExpertsUnavailable, ExpertWeights
 from tandem.experts.cpu_executor import CpuExpertExecutor
 from tandem.experts.factory import make_expert_executor
 from tandem.experts.quant import stored_parts
@@ -261,6 +261,55 @@ def test_a_volume_too_small_is_refused_before_writing(layers, tmp_path, monkeypa
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     with pytest.raises(OSError, match="has 0.00 GB free, the routed experts' weights need"):
         share(executor, tmp_path / "weights", KEY)
-    assert not list(tmp_path.iterdir())  # nothing written, and the executor still serves its own
+    # nothing written but the publishers' lock, and the executor still serves its own
+    assert [p.name for p in tmp_path.iterdir()] == ["weights.lock"]
     for got, want in zip(outputs(executor), before):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_two_processes_publishing_at_one_path_take_turns(layers, tmp_path, monkeypatch):  # noqa: F811
+    """Two experts processes started on one --experts-shm path (two threads here, each copy slowed
+    so that they overlap): both publish, one after the other, the manifest describes the weights
+    the file holds, and each serves its own weights still."""
+    import threading
+    import time
+
+    move = shared_weights._move_into
+    monkeypatch.setattr(shared_weights, "_move_into", lambda *a, **kw: time.sleep(0.5) or move(*a, **kw))
+    doubled = {i: ExpertWeights(w.gate_up * 2, w.down * 2) for i, w in layers.items()}
+    executors = {"a": CpuExpertExecutor(layers, threads=2), "b": CpuExpertExecutor(doubled, threads=2)}
+    before = {name: outputs(executor) for name, executor in executors.items()}
+    path, errors = tmp_path / "weights", []
+
+    def publish(name):
+        try:
+            share(executors[name], path, {**KEY, "model": name})
+        except Exception as exc:  # noqa: BLE001 - the test's assertion reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(name,)) for name in executors]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)  # the second starts while the first copies
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    published = open_shared(path)
+    name = published.manifest["key"]["model"]
+    assert name == "b"  # the second waited for the first, then published over it
+    for got, want in zip(outputs(make_expert_executor(published.layers, threads=2)), before[name]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name, executor in executors.items():
+        for got, want in zip(outputs(executor), before[name]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_publisher_that_died_leaves_nothing_behind_the_next(layers, tmp_path):  # noqa: F811
+    path = tmp_path / "weights"
+    stale = [tmp_path / "weights.bin.4242-deadbeef.tmp", tmp_path / "weights.json.4242-deadbeef.tmp"]
+    other = tmp_path / "weights.b.bin.4242-deadbeef.tmp"  # another path's: may be being written
+    for f in (*stale, other):
+        f.write_bytes(b"half written")
+    share(CpuExpertExecutor(layers, threads=2), path, KEY)
+    assert not any(f.exists() for f in stale) and other.exists()

@@ -11,15 +11,16 @@ from svc_helpers import SERVING, STARTUP_TIMEOUT_S, ServeProcess, wait_health
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    """`model_dir(arch)` -> a random-weight demo checkpoint (hidden 64, 2 layers), made once per session."""
+    """`model_dir(arch, seed=0)` -> a random-weight demo checkpoint (hidden 64, 2 layers), made once per
+    session; another seed gives a checkpoint of the same shapes with other weights."""
     from tandem.demo import make_demo_model
 
-    made: dict[str, Path] = {}
+    made: dict[tuple[str, int], Path] = {}
 
-    def make(arch: str = "mixtral") -> Path:
-        if arch not in made:
-            made[arch] = make_demo_model(tmp_path_factory.mktemp(arch), arch=arch, seed=0)
-        return made[arch]
+    def make(arch: str = "mixtral", seed: int = 0) -> Path:
+        if (arch, seed) not in made:
+            made[arch, seed] = make_demo_model(tmp_path_factory.mktemp(arch), arch=arch, seed=seed)
+        return made[arch, seed]
 
     return make
 
@@ -49,8 +50,9 @@ async def start_server():
     async def start(wait_serving: bool = True, **kwargs) -> InProcessServer:
         kwargs.setdefault("listen", "127.0.0.1:0")
         kwargs.setdefault("metrics_port", None)
-        kwargs.setdefault("max_model_len", 256)
-        kwargs.setdefault("max_num_seqs", 8)
+        if kwargs.get("role") != "experts":  # which runs no engine, and takes none of its flags
+            kwargs.setdefault("max_model_len", 256)
+            kwargs.setdefault("max_num_seqs", 8)
         kwargs.setdefault("cpu_kv_gib", 0.01)
         kwargs.setdefault("device", "cpu")
         opts = ServeOptions(**kwargs)
@@ -63,7 +65,7 @@ async def start_server():
         server = InProcessServer(info["address"], info["metrics_port"], stop, task)
         servers.append(server)
         if wait_serving:
-            await wait_health(server.address, SERVING)
+            await wait_health(server.address, SERVING, service=opts.service)
         return server
 
     yield start

@@ -14,6 +14,7 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem import contract
 from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
 
 STARTUP_TIMEOUT_S = 120  # two cores shared with other test runs: importing torch can be slow
@@ -23,8 +24,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SMALL_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--cpu-kv-gib", "0.01"]
 
 
-async def wait_health(address: str, status, service: str = "", timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    """Waits (Health.Watch, no polling) until `service` reports `status`."""
+async def wait_health(address: str, status, service: str = contract.INFERENCE_SERVICE,
+                      timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Waits (Health.Watch, no polling) until `service` reports `status`: by default the Inference
+    service (readiness); "" is the process as a whole (liveness; see tandem.rpc.server.Health)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         call = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=True)

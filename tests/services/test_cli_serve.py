@@ -107,3 +107,48 @@ def test_experts_shm_is_for_the_experts_role(tmp_path, capsys):
         assert main(["serve", "--model", str(tmp_path), *argv, flag, contract.EXPERTS_SHM_PATH]) == 2
         err = capsys.readouterr().err
         assert "--experts-shm is for --role experts" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cuda"], "--device cuda: --role experts computes on the CPU"),
+    ([contract.DENSE_QUANT_FLAG, "int8"], "--dense-quant is for the engine of --role all or attention"),
+    (["--enforce-eager"], "--enforce-eager is for the engine"),
+    (["--num-scheduler-steps", "4"], "--num-scheduler-steps is for the engine"),
+    (["--no-cpu-decode"], "--no-cpu-decode is for the engine"),
+    (["--no-page-lock-experts"], "--no-page-lock-experts is for the engine"),
+    (["--expert-timeout", "5"], "--expert-timeout is for the engine"),
+    (["--max-num-seqs", "1"], "--max-num-seqs is for the engine"),
+    (["--max-model-len", "512"], "--max-model-len is for the engine"),
+    (["--gpu-memory-fraction", "0.5"], "--gpu-memory-fraction is for the engine"),
+    (["--num-device-blocks", "8"], "--num-device-blocks is for the engine"),
+    (["--spin-us", "20000", "--listen", "127.0.0.1:9000"],
+     "--spin-us polls the data plane, which needs a Unix socket: --role experts with --listen 127.0.0.1:9000"),
+])
+def test_the_experts_role_refuses_flags_it_would_ignore(tmp_path, capsys, argv, message):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["serve", "--model", str(tmp_path), "--role", "experts", "--listen", "unix:/run/x.sock", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_the_experts_role_takes_the_flags_common_to_both_roles_and_engine_defaults(tmp_path):
+    # What the operator renders for both containers of a pair, and engine flags at their defaults.
+    opts = parse("--model", str(tmp_path), "--role", "experts", "--listen", contract.EXPERTS_SOCKET,
+                 "--device", "cpu", "--block-size", "32", "--cpu-kv-gib", "64", "--kv-shm", contract.KV_SHM_PATH,
+                 "--spin-us", "20000", "--max-num-seqs", "64", "--expert-timeout", "30", "--cpu-decode",
+                 "--shutdown-grace", "120")
+    assert (opts.block_size, opts.cpu_kv_gib, opts.spin_us, opts.shutdown_grace_s) == (32, 64.0, 20000, 120.0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--spin-us", "20000"], "--spin-us is for the split roles (attention, experts), not --role all"),
+    (["--role", "attention", "--experts", "127.0.0.1:9000", "--spin-us", "20000"],
+     "--spin-us polls the data plane, which needs a Unix socket: --role attention with --experts 127.0.0.1:9000"),
+    (["--role", "attention", "--experts", contract.EXPERTS_SOCKET, "--max-num-batched-tokens", "65537"],
+     "--max-num-batched-tokens must be at most 65536 for --role attention"),
+])
+def test_data_plane_flags_need_a_data_plane(tmp_path, capsys, argv, message):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["serve", "--model", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -104,8 +104,11 @@ def test_frames_that_do_not_parse_raise_wire_error(pair, native_on):
     a.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(6))  # one header's worth
     with pytest.raises(wire.WireError, match="not an expert-forward frame"):
         using(native_on, wire.recv_request, b)
-    a.sendall(wire.REQUEST.pack(wire.REQUEST_MAGIC, 0, 0, 1 << 20, 1 << 12, 2))  # 16 GiB of hidden states
+    a.sendall(wire.REQUEST.pack(wire.REQUEST_MAGIC, 0, 0, 1 << 16, 1 << 16, 2))  # 16 GiB of hidden states
     with pytest.raises(wire.WireError, match="larger than"):
+        using(native_on, wire.recv_request, b)
+    a.sendall(wire.REQUEST.pack(wire.REQUEST_MAGIC, 0, 0, wire.MAX_FRAME_TOKENS + 1, 1, 1))  # 1 MiB, but too many
+    with pytest.raises(wire.WireError, match=f"{wire.MAX_FRAME_TOKENS + 1} tokens, more than"):
         using(native_on, wire.recv_request, b)
     a.sendall(wire.RESPONSE.pack(wire.RESPONSE_MAGIC, wire.OK, 12) + bytes(12))  # 3 floats, not [2, 16]
     with pytest.raises(wire.WireError, match="expected 128"):
@@ -124,6 +127,22 @@ def test_a_closed_peer_and_a_timeout_are_os_errors(pair, native_on):
     a.sendall(wire.REQUEST.pack(wire.REQUEST_MAGIC, 0, 0, 1, 16, 2))  # a header, then the peer goes away
     a.close()
     with pytest.raises(ConnectionError):
+        using(native_on, wire.recv_request, b)
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "reference"])
+def test_a_reader_waits_for_a_frame_to_start_but_not_for_a_stalled_one(pair, native_on):
+    """The socket's timeout bounds the reads of a started frame, not the wait for the next one:
+    a server's connection idles between steps."""
+    a, b = pair
+    b.settimeout(0.2)
+    x, ids, weights = request_tensors()
+    timer = threading.Timer(0.5, wire.send_request, (a, 1, x, ids, weights))
+    timer.start()
+    layer, got_x, _, _ = using(native_on, wire.recv_request, b)
+    assert layer == 1 and torch.equal(got_x, x)
+    a.sendall(wire.REQUEST.pack(wire.REQUEST_MAGIC, 0, 0, 1, 16, 2) + bytes(8))  # then nothing
+    with pytest.raises(TimeoutError):
         using(native_on, wire.recv_request, b)
 
 

@@ -16,6 +16,7 @@ from tandem import contract
 from tandem.experts.base import ExpertsUnavailable
 from tandem.model.loader import build_expert_executor
 from tandem.rpc.experts_client import GrpcExpertExecutor
+from tandem.rpc.experts_server import MAX_FORWARD_TOKENS
 from tandem.rpc.gen import experts_pb2, experts_pb2_grpc
 from tandem.rpc.tensors import to_proto
 
@@ -78,6 +79,11 @@ def bad_requests():
     broken = to_proto(hidden)
     broken.data = broken.data[:-4]
     yield dict(ok, hidden=broken), "hidden"
+    yield dict(ok, hidden=experts_pb2.Tensor(dtype="float32", shape=[2**62, 2**62, 0])), "hidden"
+    yield dict(ok, topk_ids=to_proto(ids.repeat(1, 5)), topk_weights=to_proto(weights.repeat(1, 5) / 5)), "topk_ids"
+    many = MAX_FORWARD_TOKENS + 1
+    yield dict(ok, hidden=to_proto(torch.zeros(many, HIDDEN)), topk_ids=to_proto(torch.zeros(many, 2).long()),
+               topk_weights=to_proto(torch.zeros(many, 2))), "hidden"
 
 
 async def test_bad_requests_are_invalid_argument_naming_the_field(experts):
@@ -89,6 +95,88 @@ async def test_bad_requests_are_invalid_argument_naming_the_field(experts):
                 await stub.Forward(experts_pb2.ExpertForwardRequest(**fields))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details().startswith(f"{name}:"), err.value.details()
+
+
+async def test_a_client_expecting_another_model_refuses_the_experts(experts, model_dir):
+    """The experts process names the fingerprint of its checkpoint; a client that expects another
+    one takes neither its info nor its Forward answers (the gRPC path: the data plane connects
+    only after info() has checked)."""
+    from tandem.rpc.experts_client import ExpertsMismatch
+    from tandem.rpc.fingerprint import model_fingerprint
+
+    address, local = experts
+    fingerprint = model_fingerprint(model_dir("mixtral"))
+    hidden, ids, weights = batch()
+    right = GrpcExpertExecutor(address, model_fingerprint=fingerprint)
+    assert (await asyncio.to_thread(right.info)).model_fingerprint == fingerprint
+    assert torch.equal(await asyncio.to_thread(right.forward, 0, hidden, ids, weights),
+                       local.forward(0, hidden, ids, weights))
+    assert right._data is not None
+    other = model_fingerprint(model_dir("mixtral", seed=1))  # same shapes, other weights
+    for data_plane in (True, False):
+        wrong = GrpcExpertExecutor(address, model_fingerprint=other, data_plane=data_plane)
+        with pytest.raises(ExpertsMismatch, match=f"serve '{model_dir('mixtral')}', another model") as err:
+            await asyncio.to_thread(wrong.forward, 0, hidden, ids, weights)
+        assert isinstance(err.value, ExpertsUnavailable) and err.value.info.model_fingerprint == fingerprint
+        with pytest.raises(ExpertsMismatch):
+            await asyncio.to_thread(wrong.info)
+        assert wrong._data is None and wrong.last_info is None
+        wrong.close()
+    right.close()
+
+
+async def test_the_attention_side_serves_only_from_experts_of_its_own_model(start_server, model_dir, tmp_path,
+                                                                            caplog):
+    """An experts process on another checkpoint of the same shapes answers every call the attention
+    side makes. Found by the probe (before the first request) or by the step that reconnects (an
+    experts restart), it leaves the attention side NOT_SERVING, saying why, with its pending
+    request kept; its own model's experts back, it serves again."""
+    from svc_helpers import NOT_SERVING, SERVING, generate, greedy, token_ids, wait_health
+
+    path, other = model_dir("mixtral"), model_dir("mixtral", seed=1)
+    listen = f"unix:{tmp_path}/experts.sock"
+
+    async def experts_of(model):
+        return await start_server(model=str(model), role="experts", listen=listen)
+
+    async def refused_and_not_serving(address):
+        assert await eventually(lambda: "another model than this process's" in caplog.text, True, 30)
+        caplog.clear()
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=contract.INFERENCE_SERVICE))
+        assert reply.status == NOT_SERVING
+
+    attention = await start_server(model=str(path), role="attention", experts=listen, wait_serving=False)
+    await wait_health(attention.address, SERVING, service="")  # loaded; no experts yet
+    experts = await experts_of(other)
+    await refused_and_not_serving(attention.address)  # the probe's
+    await experts.close()
+    experts = await experts_of(path)
+    await wait_health(attention.address, SERVING)
+    prompt = [5, 17, 42, 99, 3]
+    expected = token_ids(await generate(attention.address, greedy(prompt)))
+
+    await experts.close()
+    experts = await experts_of(other)  # a restart on another model
+    pending = asyncio.ensure_future(generate(attention.address, greedy(prompt)))
+    await refused_and_not_serving(attention.address)  # the step's
+    await asyncio.sleep(0.5)
+    assert not pending.done()
+    await experts.close()
+    await experts_of(path)
+    assert token_ids(await pending) == expected
+
+
+async def test_an_attention_server_does_not_start_on_experts_of_another_model(start_server, model_dir, tmp_path,
+                                                                               caplog):
+    """Found at startup, before the weights load, it is a configuration error: the server exits 1."""
+    listen = f"unix:{tmp_path}/experts.sock"
+    await start_server(model=str(model_dir("mixtral", seed=1)), role="experts", listen=listen)
+    attention = await start_server(model=str(model_dir("mixtral")), role="attention", experts=listen,
+                                   wait_serving=False)
+    assert await asyncio.wait_for(attention.task, 60) == 1
+    assert "ModelError: experts at " in caplog.text and "another model than this process's" in caplog.text
 
 
 def test_unreachable_experts_raise_experts_unavailable(tmp_path):
@@ -119,7 +207,8 @@ async def test_the_data_plane_answers_forward_as_grpc_does(experts, tmp_path, na
         assert torch.equal(over_wire, local.forward(1, hidden, ids, weights))
     hidden, ids, weights = batch()
     for args, name in [((7, hidden, ids, weights), "layer"), ((0, hidden[:, :32], ids, weights), "hidden"),
-                       ((0, hidden, ids + 8, weights), "topk_ids"), ((0, hidden, ids, weights[:, :1]), "topk_weights")]:
+                       ((0, hidden, ids + 8, weights), "topk_ids"), ((0, hidden, ids, weights[:, :1]), "topk_weights"),
+                       ((0, hidden, ids.repeat(1, 5), weights.repeat(1, 5)), "topk_ids")]:  # k = 10 of 8 experts
         with pytest.raises(RuntimeError, match=f"INVALID_ARGUMENT: {name}:"):
             await asyncio.to_thread(fast.forward, *args)
     # the connection survives bad requests
@@ -149,12 +238,110 @@ async def test_a_garbled_frame_closes_only_its_own_connection(experts):
     client.close()
 
 
+def closed_by_the_server(sock) -> bool:
+    """Whether the server closed `sock` (within its 10 s timeout), as the garbled-frame test reads it."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:  # closed with our unread bytes still queued
+        return True
+
+
+@pytest.mark.parametrize("native_wire", [True, False], ids=["native-frames", "python-frames"])
+async def test_a_peer_stalled_mid_frame_is_dropped_and_connections_are_capped(start_server, model_dir, tmp_path,
+                                                                             native_wire, monkeypatch):
+    """A data connection may idle between frames as long as it likes; one that stops mid-frame is
+    closed after the frame timeout; one over the cap is closed at once. Clients that behave are
+    served throughout."""
+    import functools
+    import socket
+    import time
+
+    from tandem.rpc import expert_wire, server as server_module
+    from tandem.rpc.experts_data import DataPlaneServer
+
+    monkeypatch.setattr(expert_wire, "use_native", native_wire)
+    monkeypatch.setattr(server_module, "DataPlaneServer",
+                        functools.partial(DataPlaneServer, frame_timeout_s=0.5, max_connections=3))
+    path = model_dir("mixtral")
+    server = await start_server(model=str(path), role="experts", listen=f"unix:{tmp_path}/experts.sock")
+    client = GrpcExpertExecutor(server.address)
+    await asyncio.to_thread(client.info)
+    hidden, ids, weights = batch()
+    want = build_expert_executor(path).forward(0, hidden, ids, weights)
+    assert torch.equal(await asyncio.to_thread(client.forward, 0, hidden, ids, weights), want)  # connection 1
+
+    def connect() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(client.data_socket)
+        return sock
+
+    idle, stalled = connect(), connect()
+    stalled.sendall(expert_wire.REQUEST_MAGIC)  # a third of a header, then nothing
+    start = time.monotonic()
+    with connect() as extra:
+        assert await asyncio.to_thread(closed_by_the_server, extra)  # a fourth: over the cap
+    assert await asyncio.to_thread(closed_by_the_server, stalled)
+    assert 0.4 < time.monotonic() - start < 5
+    for sock in (idle, connect()):  # idle past the frame timeout, and one in the room the stalled one left
+        expert_wire.send_request(sock, 0, hidden, ids, weights)
+        assert torch.equal(expert_wire.recv_response(sock, torch.float32, tuple(hidden.shape))[1], want)
+        sock.close()
+    assert torch.equal(await asyncio.to_thread(client.forward, 0, hidden, ids, weights), want)
+    stalled.close()
+    client.close()
+
+
+async def test_the_experts_role_stops_with_its_shutdown_grace(start_server, model_dir, tmp_path, monkeypatch):
+    """Stopping lets in-flight calls run for --shutdown-grace, as on the inference roles: with 0,
+    a call that needs seconds more is cut off at once."""
+    import time
+
+    from tandem.rpc import experts_server
+
+    forward = experts_server.ExpertsServicer.forward
+    monkeypatch.setattr(experts_server.ExpertsServicer, "forward", lambda self, *a: time.sleep(3) or forward(self, *a))
+    server = await start_server(model=str(model_dir("mixtral")), role="experts", shutdown_grace_s=0,
+                                listen=f"unix:{tmp_path}/experts.sock")
+    client = GrpcExpertExecutor(server.address, data_plane=False)
+    call = asyncio.ensure_future(asyncio.to_thread(client.forward, 0, *batch()))
+    await asyncio.sleep(0.5)  # in flight
+    start = time.monotonic()
+    assert await server.close() == 0
+    with pytest.raises((ExpertsUnavailable, RuntimeError)):
+        await call
+    assert time.monotonic() - start < 2
+    client.close()
+
+
+async def test_stopping_serves_a_connected_attention_process_until_it_leaves(start_server, model_dir, tmp_path):
+    """A pod's two containers get SIGTERM together, and the attention side drains its requests
+    with the experts' help: the experts process answers until that connection closes."""
+    import time
+
+    path = model_dir("mixtral")
+    server = await start_server(model=str(path), role="experts", listen=f"unix:{tmp_path}/experts.sock",
+                                shutdown_grace_s=60)
+    client = GrpcExpertExecutor(server.address)
+    await asyncio.to_thread(client.info)  # the data plane is opened after the model is checked
+    hidden, ids, weights = batch(tokens=2)
+    expected = await asyncio.to_thread(client.forward, 0, hidden, ids, weights)
+    assert client._data is not None  # on the data plane
+    server.stop.set()  # SIGTERM
+    for _ in range(3):  # still answered: the attention side is draining
+        assert torch.equal(await asyncio.to_thread(client.forward, 0, hidden, ids, weights), expected)
+    start = time.monotonic()
+    client.close()  # the attention process exits
+    assert await asyncio.wait_for(server.task, 30) == 0
+    assert time.monotonic() - start < 30  # when it left, not at the end of the 60 s grace
+
+
 async def test_spinning_ends_of_the_data_plane_answer_and_shut_down(start_server, model_dir, tmp_path):
     """--spin-us on both roles: the answers are the same, and stopping the server ends the
     connection thread that is polling for the next frame."""
     path = model_dir("mixtral")
     server = await start_server(model=str(path), role="experts", listen=f"unix:{tmp_path}/experts.sock",
-                                spin_us=20_000)
+                                spin_us=20_000, shutdown_grace_s=0)  # 0: no waiting for the client to leave
     local = build_expert_executor(path)
     client = GrpcExpertExecutor(server.address, spin_us=20_000)
     await asyncio.to_thread(client.info)
@@ -206,8 +393,9 @@ async def test_decode_frames_are_served_natively_and_the_rest_by_python(start_se
         assert torch.equal(await asyncio.to_thread(client.forward, 0, hidden, ids, weights),
                            local.forward(0, hidden, ids, weights))
     hidden, ids, weights = batch()
-    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: topk_ids:"):
-        await asyncio.to_thread(client.forward, 0, hidden, ids + 8, weights)
+    for bad_ids, bad_weights in ((ids + 8, weights), (ids.repeat(1, 5), weights.repeat(1, 5))):  # k = 10 of 8
+        with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: topk_ids:"):
+            await asyncio.to_thread(client.forward, 0, hidden, bad_ids, bad_weights)
     assert native_end.served == before_served + 1  # none of those
     assert await eventually(latency_count, before_count + 3) == before_count + 3
     client.close()

@@ -21,7 +21,7 @@ from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
 
-from svc_helpers import SERVING, generate, greedy, token_ids
+from svc_helpers import NOT_SERVING, SERVING, generate, greedy, token_ids, wait_health
 
 PROMPTS = [[5, 17, 42, 99], [7, 7, 300, 12, 88, 1], [250, 3]]
 
@@ -107,6 +107,8 @@ BAD_REQUESTS = [
     (greedy([5, 10_000]), "prompt_token_ids"),
     (greedy([5], max_tokens=0), "max_tokens"),
     (greedy([5], max_tokens=300), "max_tokens"),  # beyond the 256-token context
+    (inference_pb2.GenerateRequest(prompt_token_ids=[5] * 256), "prompt"),  # no room left, max_tokens unset
+    (inference_pb2.GenerateRequest(prompt_token_ids=[5], request_id="r" * 257), "request_id"),
     (greedy([5], top_p=1.5), "top_p"),
     (greedy([5], top_k=-1), "top_k"),
     (inference_pb2.GenerateRequest(prompt_token_ids=[5], sampling=inference_pb2.SamplingParams(temperature=-1)),
@@ -189,6 +191,66 @@ async def test_tokenize_model_info_health_and_reflection(start_server, model_dir
     assert info.vocab_size == Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
     services = await asyncio.to_thread(list_services, server.address)
     assert {contract.INFERENCE_SERVICE, "grpc.health.v1.Health"} <= set(services)
+
+
+async def test_a_failed_forward_pass_ends_its_stream_with_internal(start_server, model_dir, monkeypatch):
+    from tandem.engine.model_runner import ModelRunner
+
+    server = await start_server(model=str(model_dir("mixtral")))
+    execute, calls = ModelRunner.execute, []
+
+    def failing_fourth_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("kernel fault")
+        return execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "execute", failing_fourth_step)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(greedy(PROMPTS[0], max_tokens=20))
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for response in call:
+                got.append(response)
+    assert err.value.code() == grpc.StatusCode.INTERNAL and "model failed" in err.value.details()
+    assert len(token_ids(got)) == 3 and not any(r.finish_reason for r in got)  # the steps before it
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    assert len(token_ids(await generate(server.address, greedy(PROMPTS[0])))) == 8  # the server goes on
+
+
+async def test_a_request_over_the_size_limit_is_refused_unread(start_server, model_dir):
+    server = await start_server(model=str(model_dir("mixtral")))
+    huge = inference_pb2.GenerateRequest(prompt="x" * (17 << 20))
+    async with grpc.aio.insecure_channel(server.address, options=(("grpc.max_send_message_length", 64 << 20),)) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await read_rest(inference_pb2_grpc.InferenceStub(ch).Generate(huge))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(token_ids(await generate(server.address, greedy(PROMPTS[0])))) == 8
+
+
+async def test_a_dead_serving_loop_fails_its_requests_and_the_liveness_check(start_server, model_dir, monkeypatch):
+    from tandem.metrics import ServingMetrics
+
+    server = await start_server(model=str(model_dir("mixtral")))
+    prompt = greedy(PROMPTS[0], max_tokens=50)
+    assert len(token_ids(await generate(server.address, prompt))) == 50  # serving
+
+    def broken(self, stats):  # a bug in the loop thread's own code, after the engine's step
+        raise RuntimeError("bookkeeping bug")
+
+    monkeypatch.setattr(ServingMetrics, "record_engine_stats", broken)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the stream ends with an error, it does not hang
+            await asyncio.wait_for(read_rest(stub.Generate(prompt)), 30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "bookkeeping bug" in err.value.details()
+        await wait_health(server.address, NOT_SERVING, service="", timeout_s=10)  # what a liveness probe asks
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=contract.INFERENCE_SERVICE))
+        assert reply.status == NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # refused at once, not queued for a loop that is gone
+            await asyncio.wait_for(read_rest(stub.Generate(prompt)), 30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "serving loop stopped" in err.value.details()
 
 
 def list_services(address: str) -> list[str]:

@@ -13,6 +13,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from svc_helpers import NOT_SERVING, SERVING, SMALL_ENGINE, eventually, generate, greedy, token_ids, wait_health
 
@@ -59,7 +60,8 @@ async def test_split_pair_generates_what_the_embedded_server_does(serve_process,
                              "--metrics-port", "0", "--device", "cpu", *SMALL_ENGINE, wait=False)
     for proc in (experts, attention, embedded):
         proc.wait_listening()
-    await asyncio.gather(*(wait_health(p.address, SERVING) for p in (experts, attention, embedded)))
+    await wait_health(experts.address, SERVING, service=contract.EXPERTS_SERVICE)
+    await asyncio.gather(*(wait_health(p.address, SERVING) for p in (attention, embedded)))
 
     split, alone = await asyncio.gather(generate_all(attention.address), generate_all(embedded.address))
     assert split == alone
@@ -108,7 +110,8 @@ async def test_split_pair_with_gguf_experts_generates_what_the_embedded_server_d
                           "--device", "cpu", *SMALL_ENGINE, wait=False)
     for proc in (experts, attention, embedded, plain):
         proc.wait_listening()
-    await asyncio.gather(*(wait_health(p.address, SERVING) for p in (experts, attention, embedded, plain)))
+    await wait_health(experts.address, SERVING, service=contract.EXPERTS_SERVICE)
+    await asyncio.gather(*(wait_health(p.address, SERVING) for p in (attention, embedded, plain)))
     split, alone, own = await asyncio.gather(*(generate_all(p.address) for p in (attention, embedded, plain)))
     assert split == alone and all(len(ids) == 12 for ids in split)
     assert split != own  # the experts are the file's, not the checkpoint's
@@ -135,7 +138,8 @@ async def test_offloaded_sequences_decode_on_the_experts_process(serve_process, 
                              "--metrics-port", "0", "--device", "cpu", *TINY_DEVICE_TIER, wait=False)
     for proc in (experts, attention, embedded):
         proc.wait_listening()
-    await asyncio.gather(*(wait_health(p.address, SERVING) for p in (experts, attention, embedded)))
+    await wait_health(experts.address, SERVING, service=contract.EXPERTS_SERVICE)
+    await asyncio.gather(*(wait_health(p.address, SERVING) for p in (attention, embedded)))
 
     async def run(address):
         streams = await asyncio.gather(*(generate(address, greedy(p, max_tokens=24)) for p in PROMPTS))
@@ -213,6 +217,7 @@ async def test_experts_outage_is_unavailable_then_serving_resumes(serve_process,
     async with grpc.aio.insecure_channel(attention.address) as channel:
         pending = inference_pb2_grpc.InferenceStub(channel).Generate(greedy(PROMPTS[0]))  # first step fails
         await wait_health(attention.address, NOT_SERVING, timeout_s=60)
+        await check_alive(attention.address)  # out of rotation, not restarted: it keeps the GPU weights
         await check_unavailable(attention.address)
         assert "mapped from" in start_experts().wait_for_line("weights shared at|mapped from")
         await wait_health(attention.address, SERVING)
@@ -223,6 +228,12 @@ async def test_experts_outage_is_unavailable_then_serving_resumes(serve_process,
     metrics = scrape(attention.metrics_port)
     assert metrics[(contract.REQUESTS + "_total", (("outcome", "unavailable"),))] == 2
     assert metrics[(contract.REQUESTS + "_total", (("outcome", "length"),))] == 3
+
+
+async def check_alive(address: str) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+    assert reply.status == SERVING
 
 
 async def check_unavailable(address: str) -> None:
@@ -241,6 +252,7 @@ async def test_sigterm_finishes_in_flight_streams_and_exits_0(serve_process, mod
         first = await call.read()
         exit_code = asyncio.get_running_loop().run_in_executor(None, server.terminate)
         await wait_health(server.address, NOT_SERVING)
+        await check_alive(server.address)  # draining: out of rotation, alive until it exits
         with pytest.raises(grpc.aio.AioRpcError) as err:  # no longer admitting
             await stub.Generate(inference_pb2.GenerateRequest(prompt_token_ids=[5])).read()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -40,3 +40,10 @@ def test_unknown_dtype_names_the_field():
 def test_unsupported_dtype_cannot_be_sent():
     with pytest.raises(ValueError, match="cannot send a torch.bool tensor"):
         to_proto(torch.zeros(2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("shape", [[2**62, 2**62, 0], [0, 2**40, 2**40], [2**33]])
+def test_shapes_no_message_can_carry_name_the_field(shape):
+    # [2**62, 2**62, 0] holds no element, but torch overflows sizing its storage
+    with pytest.raises(BadTensor, match=r"^hidden: shape \[.*\] is too large"):
+        from_proto(experts_pb2.Tensor(dtype="float32", shape=shape), "hidden")

@@ -19,7 +19,10 @@ instead of loading the checkpoint again, and the attention process's mapping sta
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import glob
 import json
 import logging
 import mmap
@@ -41,6 +44,8 @@ log = logging.getLogger(__name__)
 
 DATA_SUFFIX = ".bin"
 MANIFEST_SUFFIX = ".json"
+LOCK_SUFFIX = ".lock"
+TMP_SUFFIX = ".tmp"
 FORMAT_VERSION = 1
 _ALIGN = 4096  # each tensor starts on a page of its own
 _DTYPES = {str(d).removeprefix("torch."): d for d in
@@ -57,6 +62,10 @@ def data_path(path: str | Path) -> Path:
 
 def manifest_path(path: str | Path) -> Path:
     return Path(f"{path}{MANIFEST_SUFFIX}")
+
+
+def lock_path(path: str | Path) -> Path:
+    return Path(f"{path}{LOCK_SUFFIX}")
 
 
 def load_key(model_dir: str | Path, dtype: str, quant: str, experts_gguf: str | Path | None = None) -> dict:
@@ -91,14 +100,36 @@ class SharedWeights:
 
 def share(executor, path: str | Path, key: dict) -> SharedWeights:
     """Move a CPU executor's stored weights into the shared-memory file at `path` and serve them
-    from there: layer by layer, each layer's own memory freed (`replace_weights`) once copied."""
+    from there: layer by layer, each layer's own memory freed (`replace_weights`) once copied.
+
+    One process publishes at a time (an exclusive lock on PATH.lock): two experts processes
+    started on one path take turns, each manifest describing the file published with it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    with _publishing(path):
+        return _publish(executor, path, key)
+
+
+@contextlib.contextmanager
+def _publishing(path: Path):
+    """Held while this process publishes at `path`: a lock on PATH.lock, which the kernel lets go
+    of when the process dies. Temporary files left there by a process that died publishing go."""
+    with open(lock_path(path), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            for published in (data_path(path), manifest_path(path)):
+                for stale in path.parent.glob(f"{glob.escape(published.name)}.*{TMP_SUFFIX}"):
+                    stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _publish(executor, path: Path, key: dict) -> SharedWeights:
     manifest_path(path).unlink(missing_ok=True)  # first: no reader takes what follows for whole
     data_path(path).unlink(missing_ok=True)  # its memory goes once no process maps it
     layers, nbytes = _layout({i: (p.gate_up, p.down) for i, p in executor.layers.items()})
-    tmp = Path(f"{data_path(path)}.tmp")
-    tmp.unlink(missing_ok=True)
+    tmp = _tmp_path(data_path(path))
     # A tmpfs file is sparse until written, and a write past the volume's size kills the process
     # (SIGBUS): refuse up front. Reserving the space (fallocate) would hold a second copy at once.
     free = shutil.disk_usage(path.parent).free
@@ -109,10 +140,13 @@ def share(executor, path: str | Path, key: dict) -> SharedWeights:
                                     f"go when its next call finds this process down)")
     with open(tmp, "wb") as f:
         f.truncate(nbytes)
-    buffer = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
-    _move_into(executor, layers, buffer)
+    try:
+        buffer = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
+        _move_into(executor, layers, buffer)
+        os.replace(tmp, data_path(path))
+    finally:
+        tmp.unlink(missing_ok=True)  # nothing left when the copy failed
     mapped = {i: ExpertWeights(p.gate_up, p.down) for i, p in executor.layers.items()}  # views of buffer now
-    os.replace(tmp, data_path(path))
     manifest = {"version": FORMAT_VERSION, "generation": uuid.uuid4().hex, "key": key, "quant": executor.quant,
                 "nbytes": nbytes, "layers": layers}
     _write_atomically(manifest_path(path), json.dumps(manifest, indent=1))
@@ -236,10 +270,18 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _tmp_path(path: Path) -> Path:
+    """A temporary name next to `path` that no other process or thread picks."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+
+
 def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp = _tmp_path(path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class SharedPrefill:

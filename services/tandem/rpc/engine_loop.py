@@ -6,12 +6,17 @@ thread as a queued command, so Generate handlers on the asyncio loop never block
 When the experts process is unreachable the engine keeps the failed step pending; this loop
 marks itself down (health NOT_SERVING, new requests UNAVAILABLE) and retries with backoff
 until a step, or a probe of the experts when nothing is pending, succeeds again.
+
+A bug that escapes the loop thread itself (not an engine step's error, which fails that step's
+requests) ends the loop: its requests fail with UNAVAILABLE, new ones are refused, and
+`on_fatal` tells the server, which reports itself not alive so that its supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -64,14 +69,19 @@ class EngineLoop:
         *,
         on_serving_change: Callable[[bool], None] | None = None,
         probe_experts: Callable[[], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ):
         self.engine = engine
         self.metrics = metrics
         self.config = config or LoopConfig()
         self._on_serving_change = on_serving_change or (lambda serving: None)
         self._probe_experts = probe_experts
+        self._on_fatal = on_fatal or (lambda exc: None)
         self._cond = threading.Condition()
-        self._commands: list[Callable[[], None]] = []
+        # queued commands, each with the future its caller awaits (None for fire-and-forget ones)
+        self._commands: list[tuple[Callable[[], None], concurrent.futures.Future | None]] = []
+        self._batch: list[tuple[Callable[[], None], concurrent.futures.Future | None]] = []  # being run
+        self._dead: BaseException | None = None  # what ended the loop thread
         self._streams: dict[str, _Stream] = {}  # owned by the loop thread
         self._stopping = False
         self._admitting = True
@@ -91,27 +101,37 @@ class EngineLoop:
         Raises InvalidRequest, QueueFull or ServerUnavailable without admitting it.
         """
         loop = asyncio.get_running_loop()
+        if isinstance(prompt, str):  # in a worker thread, not the loop's: a long text takes a while
+            prompt = await asyncio.to_thread(self.engine.encode, prompt)
         stream = _Stream(asyncio.Queue(), loop, time.perf_counter())
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._call(lambda: self._add(request_id, prompt, params, stream, done))
-        await asyncio.wrap_future(done)
+        self._call(lambda: self._add(request_id, prompt, params, stream, done), done)
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:  # the caller is gone (deadline, disconnect): take the request out again
+            with contextlib.suppress(ServerUnavailable):
+                self.abort(request_id, stream.queue)
+            raise
         return stream.queue
 
-    def abort(self, request_id: str) -> None:
-        """Aborts a request (client gone); its KV blocks are freed on the loop thread."""
-        self._call(lambda: self._abort(request_id, notify=False))
+    def abort(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Aborts the request whose outputs go to `queue` (client gone); its KV blocks are freed on
+        the loop thread. A later request that reuses the id is not touched."""
+        self._call(lambda: self._abort(request_id, notify=False, queue=queue))
 
     async def run_on_engine(self, fn: Callable):
         """Runs `fn(engine)` on the loop thread (the engine is not thread-safe) and returns its result."""
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def command():
+            if not done.set_running_or_notify_cancel():
+                return  # the caller is gone
             try:
                 done.set_result(fn(self.engine))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 done.set_exception(exc)
 
-        self._call(command)
+        self._call(command, done)
         return await asyncio.wrap_future(done)
 
     def stop_admitting(self) -> None:
@@ -133,24 +153,33 @@ class EngineLoop:
             self._cond.notify()
         self._thread.join(timeout)
 
-    def _call(self, command: Callable[[], None]) -> None:
+    def _call(self, command: Callable[[], None], done: concurrent.futures.Future | None = None) -> None:
         with self._cond:
+            if self._dead is not None:
+                raise ServerUnavailable(f"the serving loop stopped: {self._dead!r}")
             if self._stopping:
                 raise ServerUnavailable("the server is shutting down")
-            self._commands.append(command)
+            self._commands.append((command, done))
             self._cond.notify()
 
     # -- loop thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a bug in the loop itself: see the module docstring
+            log.critical("the serving loop died; failing %d requests", len(self._streams), exc_info=True)
+            self._die(exc)
+
+    def _serve(self) -> None:
         backoff = self.config.retry_initial_s
         while True:
             with self._cond:
                 while not (self._commands or self._stopping or self._has_work()):
                     self._cond.wait()
-                commands, self._commands = self._commands, []
+                self._batch, self._commands = self._commands, []
                 stopping = self._stopping
-            for command in commands:
+            for command, _ in self._batch:
                 command()
             if stopping and not self._commands:
                 return
@@ -158,6 +187,25 @@ class EngineLoop:
                 backoff = self._retry(backoff)
             elif self.engine.has_unfinished_requests():
                 self._step()
+
+    def _die(self, exc: BaseException) -> None:
+        """Refuses new callers, tells the server, then fails every request and queued caller; the
+        engine is not touched again."""
+        error = ServerUnavailable(f"the serving loop stopped: {exc!r}")
+        with self._cond:
+            self._dead = exc
+            queued, self._commands = self._batch + self._commands, []
+        try:
+            self._on_fatal(exc)
+        except Exception:  # noqa: BLE001 - the requests below must still end
+            log.exception("on_fatal failed")
+        for _, done in queued:
+            if done is not None and not done.done():
+                done.set_exception(error)
+        for stream in self._streams.values():
+            self.metrics.record_outcome("error")
+            stream.put(error)
+        self._streams.clear()
 
     def _interrupted(self) -> bool:
         return bool(self._commands) or self._stopping  # read without the lock: a step ends one token early or late
@@ -221,13 +269,15 @@ class EngineLoop:
         """Starts in the down state (the experts were unreachable at startup)."""
         self._call(lambda: self._set_down(True, exc))
 
-    def _add(self, request_id, prompt, params, stream: _Stream, done) -> None:
+    def _add(self, request_id, prompt: list[int], params, stream: _Stream, done: concurrent.futures.Future) -> None:
+        if not done.set_running_or_notify_cancel():
+            return  # the caller is gone: nothing to admit
         try:
             if not self._admitting:
                 raise ServerUnavailable("the server is shutting down")
             if self.experts_down:
                 raise ServerUnavailable("the experts process is unreachable; retry later")
-            ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = list(prompt)
             self.engine.add_request(request_id, ids, params)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             done.set_exception(exc)
@@ -236,8 +286,12 @@ class EngineLoop:
         self.metrics.prompt_tokens.inc(len(ids))
         done.set_result(None)
 
-    def _abort(self, request_id: str, notify: bool) -> None:
-        stream = self._streams.pop(request_id, None)
+    def _abort(self, request_id: str, notify: bool, queue: asyncio.Queue | None = None) -> None:
+        """Aborts `request_id`, or nothing when `queue` is given and is not that request's."""
+        stream = self._streams.get(request_id)
+        if queue is not None and (stream is None or stream.queue is not queue):
+            return  # finished already (its id maybe reused since): not ours to abort
+        self._streams.pop(request_id, None)
         output = self.engine.abort_request(request_id)
         self.metrics.record_engine_stats(self.engine.stats())  # its blocks are free now
         if stream is None:

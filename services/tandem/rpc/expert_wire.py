@@ -10,7 +10,8 @@ CpuAttention); this carries only Forward's tensors, with the same validation and
 
 Frames, little-endian:
 - request: header `REQUEST` (magic, dtype code, layer, tokens, hidden, top_k), then
-  hidden [T, H] in that dtype, topk_ids [T, k] int64, topk_weights [T, k] float32;
+  hidden [T, H] in that dtype, topk_ids [T, k] int64, topk_weights [T, k] float32; a header
+  claiming more than MAX_FRAME_TOKENS tokens or MAX_FRAME_BYTES bytes closes the connection;
 - response: header `RESPONSE` (magic, status, payload bytes), then the output [T, H] in the
   request's dtype (status OK) or a UTF-8 message (INVALID_ARGUMENT, UNAVAILABLE, INTERNAL).
 
@@ -23,13 +24,14 @@ against, and serve where the extension is not built.
 from __future__ import annotations
 
 import math
+import select
 import socket
 import struct
 
 import torch
 
 from tandem.experts import native
-from tandem.rpc.experts_server import check_forward_tensors
+from tandem.rpc.experts_server import MAX_FORWARD_TOKENS, check_forward_tensors
 from tandem.rpc.tensors import BadTensor, tensor_bytes, tensor_from_bytes
 
 REQUEST = struct.Struct("<4sIIIII")  # magic, dtype code, layer, tokens, hidden size, top_k
@@ -40,6 +42,7 @@ STATUS_NAMES = {OK: "OK", INVALID_ARGUMENT: "INVALID_ARGUMENT", UNAVAILABLE: "UN
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 MAX_FRAME_BYTES = 1 << 30  # as the gRPC message limit
+MAX_FRAME_TOKENS = MAX_FORWARD_TOKENS  # a frame claiming more is refused from its header
 
 
 use_native = True  # tests turn it off to check the reference functions
@@ -106,13 +109,18 @@ def send_request(sock: socket.socket, layer: int, hidden: torch.Tensor, topk_ids
 
 
 def recv_request(sock: socket.socket, spin_us: int = 0) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(layer, hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32). The native
-    reader polls for up to `spin_us` before sleeping until the frame comes."""
+    """(layer, hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32). It waits for
+    the frame to start for as long as it takes (a server's connection idles between steps; the
+    native reader polls for up to `spin_us` before sleeping); the rest must come within the
+    socket's timeout of each read, or TimeoutError (a peer stalled mid-frame)."""
     if (w := native_wire()) is not None:
         return _call_native(w.recv_request, sock.fileno(), spin_us, timeout_ms(sock))
+    wait_readable(sock)
     magic, code, layer, tokens, size, top_k = REQUEST.unpack(recv_exact(sock, REQUEST.size))
     if magic != REQUEST_MAGIC or code not in DTYPES:
         raise WireError(f"not an expert-forward frame (magic {magic!r}, dtype code {code})")
+    if tokens > MAX_FRAME_TOKENS:
+        raise WireError(f"a frame of {tokens} tokens, more than {MAX_FRAME_TOKENS}")
     dtype = DTYPES[code]
     itemsize = torch.empty((), dtype=dtype).element_size()
     if tokens * (size * itemsize + top_k * 12) > MAX_FRAME_BYTES:
@@ -121,6 +129,13 @@ def recv_request(sock: socket.socket, spin_us: int = 0) -> tuple[int, torch.Tens
     ids = tensor_from_bytes(recv_exact(sock, tokens * top_k * 8), torch.int64, (tokens, top_k))
     weights = tensor_from_bytes(recv_exact(sock, tokens * top_k * 4), torch.float32, (tokens, top_k))
     return layer, hidden, ids, weights
+
+
+def wait_readable(sock: socket.socket) -> None:
+    """Returns once `sock` has data or its end of stream to read, however long that takes."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    poller.poll()  # no timeout: until POLLIN, POLLHUP or POLLERR
 
 
 SERVED, SERVED_FAILING, FOR_PYTHON = 1, 2, 0  # what `serve_native` did with a frame

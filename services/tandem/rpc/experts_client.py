@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from contextlib import contextmanager
@@ -24,6 +25,17 @@ CHANNEL_OPTIONS = (
 )
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
+log = logging.getLogger(__name__)
+
+
+class ExpertsMismatch(ExpertsUnavailable):
+    """The experts process answering serves another model than the one expected: unusable until
+    one serving that model answers, as an unreachable one. `info` is what it answered."""
+
+    def __init__(self, message: str, info: experts_pb2.ExpertsInfo):
+        super().__init__(message)
+        self.info = info
+
 
 class GrpcExpertExecutor:
     """Implements ExpertExecutor by calling the Experts service at `address` (`unix:/path` or
@@ -31,10 +43,16 @@ class GrpcExpertExecutor:
 
     Once `info()` has seen the experts process advertise a data plane socket (same host), and
     unless `data_plane=False`, Forward goes over it (`tandem.rpc.expert_wire`) instead of gRPC,
-    waiting for each answer spinning for up to `spin_us` before sleeping."""
+    waiting for each answer spinning for up to `spin_us` before sleeping.
+
+    With `model_fingerprint` (tandem.rpc.fingerprint), it uses only an experts process serving
+    that model: `info()` checks it, a new data plane connection (the first, or one after the
+    experts process went away) is made only after `info()` has, and every gRPC Forward answer
+    names it. Another model's process raises ExpertsMismatch, an ExpertsUnavailable: the serving
+    loop stays down and retries, as while the experts are unreachable."""
 
     def __init__(self, address: str, *, timeout_s: float = 30.0, metrics=None, data_plane: bool = True,
-                 spin_us: int = 0):
+                 spin_us: int = 0, model_fingerprint: str | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.address = address
@@ -42,6 +60,8 @@ class GrpcExpertExecutor:
         self.metrics = metrics
         self.use_data_plane = data_plane
         self.spin_us = spin_us
+        self.model_fingerprint = model_fingerprint
+        self._mismatch_logged: str | None = None  # the other model's fingerprint, once logged
         self.data_socket: str | None = None  # advertised by the experts process
         self.last_info: experts_pb2.ExpertsInfo | None = None  # as `info()` last answered
         self._data: socket.socket | None = None
@@ -57,10 +77,18 @@ class GrpcExpertExecutor:
             request = experts_pb2.ExpertForwardRequest(
                 layer=layer, hidden=to_proto(hidden), topk_ids=to_proto(topk_ids.to(torch.int64)),
                 topk_weights=to_proto(topk_weights.to(torch.float32)))
-            out = from_proto(self._call(self._stub.Forward, request).output, "output")
+            out = from_proto(self._checked(self._call(self._stub.Forward, request)).output, "output")
         if self.metrics is not None:
             self.metrics.expert_call_latency.observe(time.perf_counter() - start)
         return out.to(hidden.device)
+
+    def _checked(self, response: experts_pb2.ExpertForwardResponse) -> experts_pb2.ExpertForwardResponse:
+        """The answer, if the expected model's experts computed it; else ExpertsMismatch (or, when
+        that process is gone again already, ExpertsUnavailable)."""
+        if self.model_fingerprint is None or response.model_fingerprint == self.model_fingerprint:
+            return response
+        self.info()  # raises ExpertsMismatch, saying what the process serves
+        raise ExpertsUnavailable(f"experts at {self.address}: a Forward answered by another model's process")
 
     def _forward_data(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
         with self._data_errors():
@@ -97,9 +125,18 @@ class GrpcExpertExecutor:
 
     def _data_connection(self) -> socket.socket:
         if self._data is None:
-            self._data = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._data.settimeout(self.timeout_s)
-            self._data.connect(self.data_socket)
+            if self.model_fingerprint is not None:
+                self.info()  # the process listening now serves the expected model (ExpertsMismatch)
+                if not self.data_socket:
+                    raise ExpertsUnavailable(f"experts at {self.address} no longer advertise a data plane")
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout_s)
+            try:
+                sock.connect(self.data_socket)
+            except OSError:
+                sock.close()
+                raise
+            self._data = sock
         return self._data
 
     @property
@@ -128,13 +165,28 @@ class GrpcExpertExecutor:
             self._data = None
 
     def info(self, timeout_s: float | None = None) -> experts_pb2.ExpertsInfo:
-        """What the experts process holds; ExpertsUnavailable when it is unreachable."""
+        """What the experts process holds; ExpertsUnavailable when it is unreachable, ExpertsMismatch
+        when it serves another model than `model_fingerprint`."""
         info = self._call(self._stub.GetExpertsInfo, experts_pb2.GetExpertsInfoRequest(), timeout_s)
+        self._check_model(info)
         if info.data_socket != self.data_socket:
             self._close_data()
             self.data_socket = info.data_socket or None
         self.last_info = info
         return info
+
+    def _check_model(self, info: experts_pb2.ExpertsInfo) -> None:
+        if self.model_fingerprint is None or info.model_fingerprint == self.model_fingerprint:
+            self._mismatch_logged = None
+            return
+        self._close_data()  # nothing more goes to that process
+        message = (f"experts at {self.address} serve {info.model!r}, another model than this process's (model "
+                   f"fingerprint {info.model_fingerprint or 'none'}, expected {self.model_fingerprint}): not "
+                   f"serving from it until the experts process serves the same checkpoint")
+        if self._mismatch_logged != info.model_fingerprint:  # once, not at every retry
+            log.error("%s", message)
+            self._mismatch_logged = info.model_fingerprint
+        raise ExpertsMismatch(message, info)
 
     def cpu_attention(self, layer: int, query: torch.Tensor, block_tables: list[list[int]], seq_lens: list[int],
                       scale: float = 0.0, *, query_lens: list[int] | None = None, value_dim: int = 0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 
@@ -15,12 +16,21 @@ from tandem.rpc.cpu_attention import KVNotShared
 from tandem.rpc.gen import experts_pb2, experts_pb2_grpc
 from tandem.rpc.tensors import BadTensor, from_proto, to_proto
 
+log = logging.getLogger(__name__)
+
+# The most tokens one Forward may carry, on either transport: far more than an engine step
+# computes (--max-num-batched-tokens, 2048 by default, is held under it), and a bound on what one
+# call makes the experts process allocate and compute under the lock every caller shares.
+MAX_FORWARD_TOKENS = 1 << 16
+
 
 def check_forward_tensors(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
     """The shapes a Forward's tensors must have, whichever transport carries them (gRPC, or the data
     plane, whose frame header cannot describe anything else); BadTensor names the field."""
     if hidden.dim() != 2 or not hidden.is_floating_point():
         raise BadTensor("hidden", f"must be a 2-D float tensor [T, H], got {hidden.dtype} {list(hidden.shape)}")
+    if hidden.shape[0] > MAX_FORWARD_TOKENS:
+        raise BadTensor("hidden", f"{hidden.shape[0]} tokens in one call, more than {MAX_FORWARD_TOKENS}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
         raise BadTensor("topk_ids", f"must be [T={hidden.shape[0]}, k], got {list(topk_ids.shape)}")
     if topk_weights.shape != topk_ids.shape:
@@ -48,6 +58,9 @@ def check_forward(info: experts_pb2.ExpertsInfo, layer: int, hidden: torch.Tenso
     check_forward_tensors(hidden, topk_ids, topk_weights)
     if hidden.shape[1] != info.hidden_size:
         raise BadTensor("hidden", f"hidden size {hidden.shape[1]}, this model has {info.hidden_size}")
+    if topk_ids.shape[1] > info.num_experts:  # each is computed: k is what a call costs
+        raise BadTensor("topk_ids", f"{topk_ids.shape[1]} experts a token, more than the {info.num_experts} "
+                                    f"this model has")
     if topk_ids.numel():
         lo, hi = torch.aminmax(topk_ids)  # one pass: this runs once per layer per step
         if not 0 <= int(lo) <= int(hi) < info.num_experts:
@@ -132,7 +145,10 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
                 self._worker, self.forward, request.layer, hidden, topk_ids, topk_weights)
         except BadTensor as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return experts_pb2.ExpertForwardResponse(output=to_proto(out))
+        except Exception as exc:  # noqa: BLE001 - as the data plane answers it, not gRPC's UNKNOWN
+            log.exception("expert forward failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return experts_pb2.ExpertForwardResponse(output=to_proto(out), model_fingerprint=self.info.model_fingerprint)
 
     async def CpuAttention(self, request, context):
         await self._check_loaded(context)

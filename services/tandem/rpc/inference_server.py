@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
@@ -86,19 +87,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     code, message = status_of(item)
                     await context.abort(code, message)
                 finished = item.finished
+                if item.finish_reason == "error":  # the model failed on it (the server logged why)
+                    if item.new_token_ids:
+                        item.finished = False
+                        yield response_from_output(item)
+                    await context.abort(grpc.StatusCode.INTERNAL, "the model failed while generating this request; "
+                                        "the tokens streamed before this error stand")
                 yield response_from_output(item)
         finally:
             if not finished:  # cancelled or disconnected: free its KV blocks now
                 log.info("request %s cancelled by the client", request_id)
                 with contextlib.suppress(ServerUnavailable):  # stopping: the loop cancels it anyway
-                    loop.abort(request_id)
+                    loop.abort(request_id, queue)
 
     async def Tokenize(self, request, context):
         try:
             loop = self._engine_loop()
             if loop.engine.tokenizer is None:
                 raise NoTokenizer("this model has no tokenizer; send prompt_token_ids instead")
-            ids = await loop.run_on_engine(lambda engine: engine.encode(request.text))
+            ids = await asyncio.to_thread(loop.engine.encode, request.text)  # the tokenizer lets go of the GIL
         except Exception as exc:  # noqa: BLE001
             await context.abort(*status_of(exc))
         return inference_pb2.TokenizeResponse(token_ids=ids)

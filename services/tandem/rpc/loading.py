@@ -16,7 +16,8 @@ from tandem.metrics import ServingMetrics
 from tandem.model.config import ModelError, load_config
 from tandem.model.loader import build_expert_executor, resolve_dtype
 from tandem.model.moe import wrap_executors
-from tandem.rpc.experts_client import GrpcExpertExecutor, RemoteCpuAttention
+from tandem.rpc.experts_client import ExpertsMismatch, GrpcExpertExecutor, RemoteCpuAttention
+from tandem.rpc.fingerprint import model_fingerprint
 from tandem.rpc.gen import experts_pb2
 
 log = logging.getLogger(__name__)
@@ -80,18 +81,26 @@ def _time_expert_calls(model: torch.nn.Module, metrics: ServingMetrics) -> None:
 def connect_experts(opts, metrics: ServingMetrics) -> tuple[GrpcExpertExecutor, bool]:
     """`--role attention`: the client of the experts process, and whether it answered now.
 
-    A process that answers must serve the same model; one that does not is retried later."""
-    client = GrpcExpertExecutor(opts.experts, timeout_s=opts.expert_timeout_s, metrics=metrics, spin_us=opts.spin_us)
+    The client serves only from experts of this checkpoint (its fingerprint). A process that
+    answers now must serve it: another model is a ModelError, before the weights load. One that
+    does not answer is retried later; if another model's process answers then, the server stays
+    NOT_SERVING (the client's ExpertsMismatch) until one serving this model does."""
+    client = GrpcExpertExecutor(opts.experts, timeout_s=opts.expert_timeout_s, metrics=metrics, spin_us=opts.spin_us,
+                                model_fingerprint=model_fingerprint(opts.model))
     try:
-        info = client.info(timeout_s=min(2.0, opts.expert_timeout_s))
+        client.info(timeout_s=min(2.0, opts.expert_timeout_s))
+    except ExpertsMismatch as exc:
+        check_same_model(load_config(opts.model), exc.info, opts.experts)  # how, when the shapes differ
+        raise ModelError(str(exc)) from None
     except ExpertsUnavailable as exc:
         log.warning("experts process not reachable yet (%s); will retry", exc)
         return client, False
-    check_same_model(load_config(opts.model), info, opts.experts)
     return client, True
 
 
 def check_same_model(cfg, info: experts_pb2.ExpertsInfo, address: str) -> None:
+    """ModelError when the experts process's shapes are not this model's (a cheaper, more telling
+    check than the fingerprint's when the architectures differ)."""
     if cfg.hidden_size != info.hidden_size or tuple(info.moe_layers) != tuple(cfg.moe_layers) \
             or cfg.num_experts != info.num_experts:
         raise ModelError(
@@ -140,7 +149,8 @@ def load_experts(opts) -> tuple[object, experts_pb2.ExpertsInfo]:
     info = experts_pb2.ExpertsInfo(
         model=str(opts.model), moe_layers=list(cfg.moe_layers), num_experts=cfg.num_experts,
         hidden_size=cfg.hidden_size, dtype=dtype, kv_shm_path=opts.kv_shm or "",
-        experts_shm_path=str(shared.path) if shared else "", experts_shm_generation=shared.generation if shared else "")
+        experts_shm_path=str(shared.path) if shared else "", experts_shm_generation=shared.generation if shared else "",
+        model_fingerprint=model_fingerprint(opts.model))
     return executor, info
 
 

@@ -14,7 +14,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import grpc
@@ -37,6 +37,23 @@ SERVER_OPTIONS = (
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
 )
+# The public API takes prompts: 16 MiB holds a million token ids, or several times any context's
+# text. A larger request is refused (RESOURCE_EXHAUSTED) before it is read.
+REQUEST_LIMIT = 16 << 20
+INFERENCE_OPTIONS = (("grpc.max_receive_message_length", REQUEST_LIMIT),)
+
+
+# What only the engine (--role all, attention) reads, by ServeOptions field. --block-size and
+# --cpu-kv-gib are not here: the operator renders them for both roles of a pair, and the experts
+# role takes the CPU tier's layout from the file the attention role publishes.
+ENGINE_ONLY_FLAGS = {
+    "dense_quant": contract.DENSE_QUANT_FLAG, "gpu_memory_fraction": contract.SERVE_FLAGS["gpu_memory_fraction"],
+    "num_device_blocks": "--num-device-blocks", "cpu_decode": contract.SERVE_FLAGS["no_cpu_decode"],
+    "page_lock_experts": "--no-page-lock-experts", "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
+    "max_waiting": "--max-waiting", "expert_timeout_s": "--expert-timeout", "enforce_eager": "--enforce-eager",
+    "num_scheduler_steps": contract.SERVE_FLAGS["num_scheduler_steps"],
+}
 
 
 @dataclass
@@ -108,6 +125,35 @@ class ServeOptions:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         if not 0 <= self.spin_us <= 1_000_000:
             raise ValueError(f"--spin-us must be in 0..1000000, got {self.spin_us}")
+        self._check_spin()
+        if self.role == "experts":
+            self._check_experts_role()
+        elif self.role == "attention" and self.max_num_batched_tokens > experts_server.MAX_FORWARD_TOKENS:
+            raise ValueError(f"--max-num-batched-tokens must be at most {experts_server.MAX_FORWARD_TOKENS} for "
+                             f"--role attention (the most one call to the experts carries), "
+                             f"got {self.max_num_batched_tokens}")
+
+    def _check_spin(self) -> None:
+        """--spin-us polls the data plane, which the split roles open only on a Unix socket."""
+        if not self.spin_us:
+            return
+        if self.role == "all":
+            raise ValueError("--spin-us is for the split roles (attention, experts), not --role all")
+        flag, address = ("--listen", self.listen) if self.role == "experts" else ("--experts", self.experts)
+        if data_socket_path(address) is None:
+            raise ValueError(f"--spin-us polls the data plane, which needs a Unix socket: --role {self.role} "
+                             f"with {flag} {address}")
+
+    def _check_experts_role(self) -> None:
+        """The experts role computes on the CPU and runs no engine: a flag it would ignore is an error,
+        unless it has its default value (the operator renders some flags for both roles)."""
+        if self.device not in (None, "cpu"):
+            raise ValueError(f"--device {self.device}: --role experts computes on the CPU")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, flag in ENGINE_ONLY_FLAGS.items():
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"{flag} is for the engine of --role all or attention; --role experts "
+                                 f"would ignore it")
 
     @property
     def service(self) -> str:
@@ -115,7 +161,13 @@ class ServeOptions:
 
 
 class Health:
-    """The standard health service, with the overall ("") status tracking our one service."""
+    """The standard health service: our one service's status (readiness: can it take requests
+    now?) and the overall ("") status (liveness: is the process loaded and working?).
+
+    They differ while the attention process waits for its experts peer, or drains after SIGTERM:
+    the service is NOT_SERVING, the process SERVING. A liveness probe on "" then leaves the
+    process that holds the GPU weights alone while a probe on the service takes it out of
+    rotation."""
 
     def __init__(self, server: grpc.aio.Server, service: str):
         self.servicer = health.aio.HealthServicer()
@@ -123,9 +175,16 @@ class Health:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
 
     async def set(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", self.service):
-            await self.servicer.set(name, status)
+        """The service's status."""
+        await self.servicer.set(self.service, _status(serving))
+
+    async def set_alive(self, alive: bool) -> None:
+        """The overall status: SERVING from the end of the load to the exit."""
+        await self.servicer.set("", _status(alive))
+
+
+def _status(serving: bool):
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _load_in_thread(fn) -> concurrent.futures.Future:
@@ -151,7 +210,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
     """
     loop = asyncio.get_running_loop()
     metrics = ServingMetrics()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS if opts.role == "experts" else INFERENCE_OPTIONS)
     health_state = Health(server, opts.service)
     if opts.role == "experts":
         servicer = experts_server.ExpertsServicer(metrics)
@@ -162,6 +221,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
     reflection.enable_server_reflection(
         (opts.service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await health_state.set(False)
+    await health_state.set_alive(False)
 
     prepare_unix_socket(opts.listen)
     port = server.add_insecure_port(opts.listen)
@@ -191,6 +251,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
                 data_plane = DataPlaneServer(path, servicer, spin_us=opts.spin_us)
                 info.data_socket = path
             servicer.attach(executor, info, CpuAttention(SharedCpuKV(opts.kv_shm)) if opts.kv_shm else None)
+            await health_state.set_alive(True)
             await health_state.set(True)
         else:
             engine, reachable, client = loaded
@@ -199,6 +260,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
             engine_loop = _engine_loop(engine, client, metrics, health_state, loop)
             servicer.attach(engine_loop, _model_info(opts, engine))
             # Health first, then the loop: its own changes must land after this one.
+            await health_state.set_alive(True)
             await health_state.set(reachable)
             if not reachable:
                 engine_loop.mark_experts_down(RuntimeError("experts unreachable at startup"))
@@ -212,7 +274,15 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
         await health_state.set(False)
         if engine_loop is not None:
             await _drain(engine_loop, opts.shutdown_grace_s)
-        await server.stop(grace=5.0)
+        grace = 5.0
+        if opts.role == "experts":
+            # Both containers of a pod get SIGTERM at once, and the attention process drains its
+            # requests with this process's help: serve on until it has gone, within the grace.
+            deadline = time.monotonic() + opts.shutdown_grace_s
+            if data_plane is not None:
+                await _wait_for_peers(data_plane, deadline)
+            grace = max(0.0, deadline - time.monotonic())  # then in-flight gRPC calls get what is left
+        await server.stop(grace=grace)
         return 0
     except Exception:
         log.exception("tandem serve failed")
@@ -253,7 +323,13 @@ def _engine_loop(engine, client, metrics, health_state: Health, loop) -> EngineL
     def on_serving_change(serving: bool) -> None:
         asyncio.run_coroutine_threadsafe(health_state.set(serving), loop)
 
+    async def not_alive() -> None:
+        await health_state.set(False)
+        await health_state.set_alive(False)  # a liveness probe on "" restarts the process
+
     def probe() -> None:
+        # ExpertsUnavailable while the experts are unreachable, and (a subclass) ExpertsMismatch while
+        # the process answering serves another model: either way the loop stays down and retries.
         client.info(timeout_s=1.0)
         # The experts process is back (or up for the first time): map the weights it shares before
         # serving again, not in the first request (which tries again if this fails).
@@ -263,13 +339,22 @@ def _engine_loop(engine, client, metrics, health_state: Health, loop) -> EngineL
             log.exception("could not map the experts process's shared weights")
 
     return EngineLoop(engine, metrics, on_serving_change=on_serving_change,
-                      probe_experts=probe if client is not None else None)
+                      probe_experts=probe if client is not None else None,
+                      on_fatal=lambda exc: asyncio.run_coroutine_threadsafe(not_alive(), loop))
 
 
 def _model_info(opts: ServeOptions, engine) -> dict:
     dtype = next(engine.model.parameters()).dtype
     return {"model": opts.model, "role": opts.role, "device": str(engine.device),
             "dtype": str(dtype).removeprefix("torch.")}
+
+
+async def _wait_for_peers(data_plane: DataPlaneServer, deadline: float) -> None:
+    """Waits until no attention process is connected to the data plane, or the deadline."""
+    if data_plane.num_connections():
+        log.info("serving %d attention connection(s) until they close", data_plane.num_connections())
+    while data_plane.num_connections() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 async def _drain(engine_loop: EngineLoop, grace_s: float) -> None:

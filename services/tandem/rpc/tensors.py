@@ -16,6 +16,10 @@ DTYPES = {
     "int32": torch.int32,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+# A message is at most 1 GiB, so no tensor it carries has more elements than this. The bound
+# counts zero dimensions as 1: torch sizes a tensor's storage from its shape before it looks
+# for a zero, and a shape like [2**62, 2**62, 0] overflows that computation.
+MAX_ELEMENTS = 1 << 32
 
 
 class BadTensor(ValueError):
@@ -39,16 +43,27 @@ def from_proto(msg: experts_pb2.Tensor, field_name: str = "tensor") -> torch.Ten
     if dtype is None:
         raise BadTensor(field_name, f"unknown dtype {msg.dtype!r}; expected one of {sorted(DTYPES)}")
     shape = tuple(msg.shape)
-    if any(d < 0 for d in shape):
-        raise BadTensor(field_name, f"negative dimension in shape {list(shape)}")
+    check_shape(shape, field_name)
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = math.prod(shape) * itemsize
     if len(msg.data) != expected:
         raise BadTensor(
             field_name, f"{len(msg.data)} bytes of data for shape {list(shape)} {msg.dtype} "
             f"(expected {expected})")
-    # bytearray: torch.frombuffer wants a writable buffer, and the result must own its memory.
-    return tensor_from_bytes(bytearray(msg.data), dtype, shape)
+    try:
+        # bytearray: torch.frombuffer wants a writable buffer, and the result must own its memory.
+        return tensor_from_bytes(bytearray(msg.data), dtype, shape)
+    except RuntimeError as exc:  # a shape torch refuses that the checks above let through
+        raise BadTensor(field_name, f"shape {list(shape)}: {exc}") from None
+
+
+def check_shape(shape: tuple[int, ...], field_name: str) -> None:
+    """BadTensor for a negative dimension, or dimensions no message can carry (MAX_ELEMENTS)."""
+    if any(d < 0 for d in shape):
+        raise BadTensor(field_name, f"negative dimension in shape {list(shape)}")
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise BadTensor(field_name, f"shape {list(shape)} is too large: its dimensions, zeros counted as 1, "
+                                    f"multiply to more than {MAX_ELEMENTS} elements")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

@@ -71,6 +71,7 @@ constexpr char kRequestMagic[4] = {'T', 'X', 'F', '1'};
 constexpr char kResponseMagic[4] = {'T', 'X', 'R', '1'};
 constexpr uint32_t kOk = 0, kInternal = 3;  // expert_wire.OK, INTERNAL
 constexpr uint64_t kMaxFrameBytes = uint64_t{1} << 30;  // expert_wire.MAX_FRAME_BYTES
+constexpr uint32_t kMaxFrameTokens = uint32_t{1} << 16;  // expert_wire.MAX_FRAME_TOKENS
 
 using Clock = std::chrono::steady_clock;
 
@@ -241,15 +242,20 @@ void send_request(int fd, int64_t layer, const at::Tensor& hidden, const at::Ten
   write_all(fd, iov, 4, timeout_ms);
 }
 
-// (layer, hidden [T, H], ids [T, k] int64, weights [T, k] f32) of the next request.
+// (layer, hidden [T, H], ids [T, k] int64, weights [T, k] f32) of the next request. It waits for
+// the frame to start for as long as it takes (a server's connection idles between steps); once it
+// has, each read of the rest must make progress within timeout_ms (a peer stalled mid-frame).
 std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> recv_request(int fd, int64_t spin_us, int64_t timeout_ms) {
-  wait_readable_parked(fd, spin_us, timeout_ms);
+  wait_readable_parked(fd, spin_us, /*timeout_ms=*/-1);
   RequestHeader h;
   read_exact(fd, &h, sizeof h, timeout_ms);
   const at::ScalarType dtype = dtype_of(h.dtype);
   if (std::memcmp(h.magic, kRequestMagic, 4) != 0 || dtype == at::ScalarType::Undefined)
     throw BadFrame("not an expert-forward frame (magic " + magic_repr(h.magic) + ", dtype code " +
                    std::to_string(h.dtype) + ")");
+  if (h.tokens > kMaxFrameTokens)
+    throw BadFrame("a frame of " + std::to_string(h.tokens) + " tokens, more than " +
+                   std::to_string(kMaxFrameTokens));
   const uint64_t itemsize = c10::elementSize(dtype);
   if (uint64_t{h.tokens} * (uint64_t{h.hidden} * itemsize + uint64_t{h.top_k} * 12) > kMaxFrameBytes)
     throw BadFrame("a frame of " + std::to_string(h.tokens) + " tokens x " + std::to_string(h.hidden) +
@@ -414,6 +420,7 @@ class ExpertServer {
         hidden.size(0) == 0 || hidden.size(0) > max_tokens_)
       return nullptr;
     const int64_t experts = it->second.gu.size(0);
+    if (ids.size(1) > experts) return nullptr;  // more experts a token than there are: Python refuses it
     const int64_t* id = ids.data_ptr<int64_t>();
     for (int64_t i = 0, n = ids.numel(); i < n; ++i)
       if (id[i] < 0 || id[i] >= experts) return nullptr;

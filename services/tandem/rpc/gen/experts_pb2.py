@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/experts.proto\x12\ttandem.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x96\x01\n\x14\x45xpertForwardRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12!\n\x06hidden\x18\x02 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12#\n\x08topk_ids\x18\x03 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\'\n\x0ctopk_weights\x18\x04 \x01(\x0b\x32\x11.tandem.v1.Tensor\":\n\x15\x45xpertForwardResponse\x12!\n\x06output\x18\x01 \x01(\x0b\x32\x11.tandem.v1.Tensor\"\x1f\n\nBlockTable\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"\xd3\x01\n\x13\x43puAttentionRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12 \n\x05query\x18\x02 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12+\n\x0c\x62lock_tables\x18\x03 \x03(\x0b\x32\x15.tandem.v1.BlockTable\x12\x10\n\x08seq_lens\x18\x04 \x03(\r\x12\r\n\x05scale\x18\x05 \x01(\x02\x12\x12\n\nquery_lens\x18\x06 \x03(\r\x12\x11\n\tvalue_dim\x18\x07 \x01(\r\x12\x16\n\x0esliding_window\x18\x08 \x01(\r\"9\n\x14\x43puAttentionResponse\x12!\n\x06output\x18\x01 \x01(\x0b\x32\x11.tandem.v1.Tensor\"\x17\n\x15GetExpertsInfoRequest\"\xcd\x01\n\x0b\x45xpertsInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmoe_layers\x18\x02 \x03(\r\x12\x13\n\x0bnum_experts\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bkv_shm_path\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x61ta_socket\x18\x07 \x01(\t\x12\x18\n\x10\x65xperts_shm_path\x18\x08 \x01(\t\x12\x1e\n\x16\x65xperts_shm_generation\x18\t \x01(\t2\xf4\x01\n\x07\x45xperts\x12L\n\x07\x46orward\x12\x1f.tandem.v1.ExpertForwardRequest\x1a .tandem.v1.ExpertForwardResponse\x12O\n\x0c\x43puAttention\x12\x1e.tandem.v1.CpuAttentionRequest\x1a\x1f.tandem.v1.CpuAttentionResponse\x12J\n\x0eGetExpertsInfo\x12 .tandem.v1.GetExpertsInfoRequest\x1a\x16.tandem.v1.ExpertsInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/experts.proto\x12\ttandem.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x96\x01\n\x14\x45xpertForwardRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12!\n\x06hidden\x18\x02 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12#\n\x08topk_ids\x18\x03 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\'\n\x0ctopk_weights\x18\x04 \x01(\x0b\x32\x11.tandem.v1.Tensor\"U\n\x15\x45xpertForwardResponse\x12!\n\x06output\x18\x01 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\"\x1f\n\nBlockTable\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"\xd3\x01\n\x13\x43puAttentionRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12 \n\x05query\x18\x02 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12+\n\x0c\x62lock_tables\x18\x03 \x03(\x0b\x32\x15.tandem.v1.BlockTable\x12\x10\n\x08seq_lens\x18\x04 \x03(\r\x12\r\n\x05scale\x18\x05 \x01(\x02\x12\x12\n\nquery_lens\x18\x06 \x03(\r\x12\x11\n\tvalue_dim\x18\x07 \x01(\r\x12\x16\n\x0esliding_window\x18\x08 \x01(\r\"9\n\x14\x43puAttentionResponse\x12!\n\x06output\x18\x01 \x01(\x0b\x32\x11.tandem.v1.Tensor\"\x17\n\x15GetExpertsInfoRequest\"\xe8\x01\n\x0b\x45xpertsInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmoe_layers\x18\x02 \x03(\r\x12\x13\n\x0bnum_experts\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bkv_shm_path\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x61ta_socket\x18\x07 \x01(\t\x12\x18\n\x10\x65xperts_shm_path\x18\x08 \x01(\t\x12\x1e\n\x16\x65xperts_shm_generation\x18\t \x01(\t\x12\x19\n\x11model_fingerprint\x18\n \x01(\t2\xf4\x01\n\x07\x45xperts\x12L\n\x07\x46orward\x12\x1f.tandem.v1.ExpertForwardRequest\x1a .tandem.v1.ExpertForwardResponse\x12O\n\x0c\x43puAttention\x12\x1e.tandem.v1.CpuAttentionRequest\x1a\x1f.tandem.v1.CpuAttentionResponse\x12J\n\x0eGetExpertsInfo\x12 .tandem.v1.GetExpertsInfoRequest\x1a\x16.tandem.v1.ExpertsInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPERTFORWARDREQUEST']._serialized_start=93
   _globals['_EXPERTFORWARDREQUEST']._serialized_end=243
   _globals['_EXPERTFORWARDRESPONSE']._serialized_start=245
-  _globals['_EXPERTFORWARDRESPONSE']._serialized_end=303
-  _globals['_BLOCKTABLE']._serialized_start=305
-  _globals['_BLOCKTABLE']._serialized_end=336
-  _globals['_CPUATTENTIONREQUEST']._serialized_start=339
-  _globals['_CPUATTENTIONREQUEST']._serialized_end=550
-  _globals['_CPUATTENTIONRESPONSE']._serialized_start=552
-  _globals['_CPUATTENTIONRESPONSE']._serialized_end=609
-  _globals['_GETEXPERTSINFOREQUEST']._serialized_start=611
-  _globals['_GETEXPERTSINFOREQUEST']._serialized_end=634
-  _globals['_EXPERTSINFO']._serialized_start=637
-  _globals['_EXPERTSINFO']._serialized_end=842
-  _globals['_EXPERTS']._serialized_start=845
-  _globals['_EXPERTS']._serialized_end=1089
+  _globals['_EXPERTFORWARDRESPONSE']._serialized_end=330
+  _globals['_BLOCKTABLE']._serialized_start=332
+  _globals['_BLOCKTABLE']._serialized_end=363
+  _globals['_CPUATTENTIONREQUEST']._serialized_start=366
+  _globals['_CPUATTENTIONREQUEST']._serialized_end=577
+  _globals['_CPUATTENTIONRESPONSE']._serialized_start=579
+  _globals['_CPUATTENTIONRESPONSE']._serialized_end=636
+  _globals['_GETEXPERTSINFOREQUEST']._serialized_start=638
+  _globals['_GETEXPERTSINFOREQUEST']._serialized_end=661
+  _globals['_EXPERTSINFO']._serialized_start=664
+  _globals['_EXPERTSINFO']._serialized_end=896
+  _globals['_EXPERTS']._serialized_start=899
+  _globals['_EXPERTS']._serialized_end=1143
 # @@protoc_insertion_point(module_scope)

@@ -30,10 +30,12 @@ class ExpertForwardRequest(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ExpertForwardResponse(_message.Message):
-    __slots__ = ("output",)
+    __slots__ = ("output", "model_fingerprint")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     output: Tensor
-    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("block_ids",)
@@ -72,7 +74,7 @@ class GetExpertsInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExpertsInfo(_message.Message):
-    __slots__ = ("model", "moe_layers", "num_experts", "hidden_size", "dtype", "kv_shm_path", "data_socket", "experts_shm_path", "experts_shm_generation")
+    __slots__ = ("model", "moe_layers", "num_experts", "hidden_size", "dtype", "kv_shm_path", "data_socket", "experts_shm_path", "experts_shm_generation", "model_fingerprint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,7 @@ class ExpertsInfo(_message.Message):
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_SHM_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     moe_layers: _containers.RepeatedScalarFieldContainer[int]
     num_experts: int
@@ -91,4 +94,5 @@ class ExpertsInfo(_message.Message):
     data_socket: str
     experts_shm_path: str
     experts_shm_generation: str
-    def __init__(self, model: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_shm_path: _Optional[str] = ..., data_socket: _Optional[str] = ..., experts_shm_path: _Optional[str] = ..., experts_shm_generation: _Optional[str] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_shm_path: _Optional[str] = ..., data_socket: _Optional[str] = ..., experts_shm_path: _Optional[str] = ..., experts_shm_generation: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...

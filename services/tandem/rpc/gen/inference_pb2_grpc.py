@@ -60,7 +60,8 @@ class InferenceServicer:
     def Generate(self, request, context):
         """Generates tokens for one prompt, streaming them as they are decoded. The first message
         arrives once the prompt is prefilled; the last carries finish_reason and usage.
-        Cancelling the call aborts the request and frees its KV blocks.
+        Cancelling the call aborts the request and frees its KV blocks. A request the model fails
+        on ends with INTERNAL after the tokens streamed before the failure.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
