@@ -89,6 +89,7 @@ def main() -> None:
               f"(windows {', '.join(f'{s:.1f}' for s in steps)}), expert call {min(per_call):.0f} us, "
               f"load average {os.getloadavg()[0]:.2f}")
     finally:
+        client.close()  # the experts process serves a connected client on past SIGTERM
         proc.terminate()
         proc.wait(timeout=30)
 

@@ -107,6 +107,7 @@ def main() -> None:
               f"load average {os.getloadavg()[0]:.2f}")
     finally:
         if proc is not None:
+            client.close()  # the experts process serves a connected client on past SIGTERM
             proc.terminate()
             proc.wait(timeout=30)
 
