@@ -36,29 +36,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tandem", description="Hybrid GPU + CPU serving of MoE language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("make-demo-model", help="write a small random-weight checkpoint in Hugging Face format")
-    demo.add_argument("out_dir")
+    demo = sub.add_parser("make-demo-model", help="write a small random-weight checkpoint in Hugging Face format",
+                          description="Write a small checkpoint with random weights (transformers' own model "
+                                      "class) and a byte-level tokenizer: a model to try Tandem on, no download.")
+    demo.add_argument("out_dir", help="directory to write it to")
     demo.add_argument("--arch", default="mixtral", choices=["mixtral", "qwen2_moe", "qwen3_moe", "llama",
-                                                            "deepseek_v3"])
-    demo.add_argument("--seed", type=int, default=0)
+                                                            "deepseek_v3"], help="architecture (default mixtral)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     demo.set_defaults(func=cmd_make_demo_model)
 
-    gen = sub.add_parser("generate", help="generate from a prompt, locally or against a server")
+    gen = sub.add_parser("generate", help="generate from a prompt, locally or against a server",
+                         description="Generate from one prompt: with --model in this process, with --server over "
+                                     "gRPC (the engine flags are then the server's own, and refused here).")
     where = gen.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="checkpoint directory (runs the engine in this process)")
     where.add_argument("--server", help="address of a running `tandem serve` (host:port or unix:/path)")
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate (default 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily (default 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass, in (0, 1] (default 1: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    gen.add_argument("--seed", type=int, help="seed of this request's sampling (default: unseeded)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate, engine_flags=add_engine_args(gen))
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    gen.set_defaults(func=cmd_generate)
 
     try:
         from tandem.rpc.cli_serve import add_serve_parser
@@ -75,37 +78,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda when available)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's")
-    p.add_argument("--threads", type=int, help="CPU threads for the experts (default: all cores)")
-    p.add_argument("--expert-quant", choices=["none", "int8", "int4"], default="none")
-    p.add_argument("--experts-gguf", metavar="FILE",
-                   help="take the routed experts from this llama.cpp GGUF file (Q4_0, Q4_K, Q8_0, ...; its types "
-                        "decide their format, so not with --expert-quant), the rest of the model from --model")
-    add_dense_quant_arg(p)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run every decode step eagerly instead of replaying CUDA graphs")
-    add_page_lock_arg(p)
-    p.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
-                   help="decode tokens per engine step while only decodes run (vLLM's multi-step scheduling; "
-                        "default 1)")
+def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The flags of an engine in this process (generate --model, bench); returns their actions."""
+    actions = [
+        p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda when available)"),
+        p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's"),
+        p.add_argument("--threads", type=int, help="CPU threads for the experts (default: all cores)"),
+        p.add_argument("--expert-quant", choices=["none", "int8", "int4"], default="none",
+                       help="weight-only quantization of the routed experts (default none)"),
+        p.add_argument("--experts-gguf", metavar="FILE",
+                       help="take the routed experts from this llama.cpp GGUF file (Q4_0, Q4_K, Q8_0, ...; its "
+                            "types decide their format, so not with --expert-quant), the rest of the model from "
+                            "--model"),
+        add_dense_quant_arg(p),
+        p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)"),
+        p.add_argument("--max-model-len", type=int,
+                       help="longest prompt plus generation (default: the model's context, at most 8192)"),
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run every decode step eagerly instead of replaying CUDA graphs"),
+        add_page_lock_arg(p),
+        p.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+                       help="decode tokens per engine step while only decodes run (vLLM's multi-step "
+                            "scheduling; default 1)"),
+    ]
+    return actions
 
 
-def add_page_lock_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-page-lock-experts", dest="page_lock_experts", action="store_false",
-                   help="CUDA: leave the routed experts' host memory pageable; by default it is page-locked, "
-                        "so large prefill chunks copy the experts to the GPU at full speed")
+def add_page_lock_arg(p: argparse.ArgumentParser) -> argparse.Action:
+    return p.add_argument("--no-page-lock-experts", dest="page_lock_experts", action="store_false",
+                          help="CUDA: leave the routed experts' host memory pageable; by default it is page-locked, "
+                               "so large prefill chunks copy the experts to the GPU at full speed")
 
 
-def add_dense_quant_arg(p: argparse.ArgumentParser) -> None:
+def add_dense_quant_arg(p: argparse.ArgumentParser) -> argparse.Action:
     from tandem import contract
 
-    p.add_argument(contract.DENSE_QUANT_FLAG, choices=contract.DENSE_QUANTS,
-                   help="weight-only quantization of the dense layers: attention, dense MLPs, shared experts, "
-                        "LM head; routers stay full precision (default none)", default="none")
+    return p.add_argument(contract.DENSE_QUANT_FLAG, choices=contract.DENSE_QUANTS,
+                          help="weight-only quantization of the dense layers: attention, dense MLPs, shared experts, "
+                               "LM head; routers stay full precision (default none)", default="none")
 
 
 def cmd_make_demo_model(args) -> int:
@@ -160,6 +170,10 @@ def cmd_generate(args) -> int:
     if args.server:
         from tandem.rpc.cli_client import run_remote_generate
 
+        given = [a.option_strings[0] for a in args.engine_flags if getattr(args, a.dest) != a.default]
+        if given:
+            raise UsageError(f"{', '.join(given)}: engine flags, for --model; with --server the server's own "
+                             f"settings apply")
         return run_remote_generate(args)
     from tandem.engine.sampling_params import InvalidRequest
 
@@ -171,6 +185,9 @@ def cmd_generate(args) -> int:
         raise UsageError(str(e)) from None
     print_result(args, result.token_ids, result.text if engine.tokenizer else None, result.finish_reason,
                  result.num_prompt_tokens, result.num_cached_tokens)
+    if result.finish_reason == "error":  # the engine logged why
+        print("tandem: error: the forward pass failed", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -173,32 +173,36 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="measure prefill/decode speed and the memory-roofline share")
-    p.add_argument("--model", required=True)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--gen-len", type=int, default=64)
-    p.add_argument("--concurrency", default="1,4,8", help="comma-separated stream counts")
+    p = sub.add_parser("bench", help="measure prefill/decode speed and the memory-roofline share",
+                       description="Prefill and decode speed, TTFT and inter-token latency at each concurrency, "
+                                   "with this machine's read bandwidth and the roofline share of the decode.")
+    p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face format)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens a request (default 128)")
+    p.add_argument("--gen-len", type=int, default=64, help="tokens a request generates (default 64)")
+    p.add_argument("--concurrency", default="1,4,8", help="comma-separated stream counts (default 1,4,8)")
     p.add_argument("--mode", choices=["embedded", "split"], default="embedded",
                    help="split: experts in a `serve --role experts` process on cores disjoint from this "
                         "one's, measured against embedded in the same run (see --rounds)")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="--mode split: alternating single-stream decode rounds of embedded and split, the ratio "
-                        "is their median")
-    p.add_argument("--split-cores", choices=["disjoint", "shared"], default="disjoint",
-                   help="--mode split: disjoint cores per process (default; 2 cores split 1 + 1), or both "
-                        "processes on every core, taking turns")
-    p.add_argument("--spin-us", type=int, default=20000,
-                   help="--mode split: how long each side of the data plane polls for the other, yielding "
-                        "its core, before sleeping (default 20000)")
-    p.add_argument("--experts-shm", metavar="PATH",
-                   help="--mode split: the experts process shares its weights in this shared-memory file, as the "
-                        "operator's pods do, so that on CUDA large prefill chunks' experts run on the GPU")
+    split_flags = [
+        p.add_argument("--rounds", type=int, default=5,
+                       help="--mode split: alternating single-stream decode rounds of embedded and split, the "
+                            "ratio is their median (default 5)"),
+        p.add_argument("--split-cores", choices=["disjoint", "shared"], default="disjoint",
+                       help="--mode split: disjoint cores per process (default; 2 cores split 1 + 1), or both "
+                            "processes on every core, taking turns"),
+        p.add_argument("--spin-us", type=int, default=20000,
+                       help="--mode split: how long each side of the data plane polls for the other, yielding "
+                            "its core, before sleeping (default 20000)"),
+        p.add_argument("--experts-shm", metavar="PATH",
+                       help="--mode split: the experts process shares its weights in this shared-memory file, as "
+                            "the operator's pods do, so that on CUDA large prefill chunks' experts run on the GPU"),
+    ]
     p.add_argument("--no-bandwidth", action="store_true", help="skip measuring this machine's read bandwidth")
     from tandem.cli import add_engine_args
 
     add_engine_args(p)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_bench)
+    p.add_argument("--json", action="store_true", help="print the report as one line of JSON")
+    p.set_defaults(func=cmd_bench, split_flags=split_flags)
 
 
 def cmd_bench(args) -> int:
@@ -210,6 +214,10 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
     if args.prompt_len < 1 or args.gen_len < 2 or args.rounds < 1 or any(c < 1 for c in concurrency):
         raise UsageError("--prompt-len must be >= 1, --gen-len >= 2, --rounds >= 1 and every concurrency >= 1")
+    given = [a.option_strings[0] for a in args.split_flags if getattr(args, a.dest) != a.default]
+    if args.mode != "split" and given:
+        raise UsageError(f"{', '.join(given)}: for --mode split")
+    check_context(args)  # before the bandwidth, which takes a while
     bandwidth = None
     if not args.no_bandwidth:
         from tandem.bench import measure_read_bandwidth
@@ -222,6 +230,21 @@ def cmd_bench(args) -> int:
     result["mode"] = args.mode
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+def check_context(args) -> None:
+    """The model loads (its config) and each request fits its context: --prompt-len + --gen-len."""
+    from tandem.cli import UsageError
+    from tandem.engine.llm_engine import EngineConfig, context_length
+    from tandem.model.config import ModelError, load_config
+
+    try:
+        limit = context_length(load_config(args.model), EngineConfig(max_model_len=args.max_model_len))
+    except ValueError as exc:  # ModelError too
+        raise UsageError(str(exc) if isinstance(exc, ModelError) else f"--max-model-len: {exc}") from None
+    if args.prompt_len + args.gen_len > limit:
+        raise UsageError(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} is more than the "
+                         f"{limit} tokens of the engine's context (--max-model-len)")
 
 
 def bench_engine(args, concurrency: list[int], bandwidth: dict | None) -> dict:

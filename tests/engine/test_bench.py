@@ -148,6 +148,24 @@ def test_bench_rejects_zero_rounds(demo_model_dir, capsys):
     assert "--rounds >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-len", "4000", "--gen-len", "200"], "--prompt-len 4000 + --gen-len 200 is more than the 4096 tokens"),
+    (["--max-model-len", "64", "--prompt-len", "60", "--gen-len", "8"], "is more than the 64 tokens"),
+    (["--max-model-len", "5000"], "--max-model-len: max_model_len 5000 is more than the model's context"),
+    (["--rounds", "3", "--spin-us", "0"], "--rounds, --spin-us: for --mode split"),
+])
+def test_bench_refuses_what_it_cannot_run_before_measuring_anything(demo_model_dir, capsys, monkeypatch, argv,
+                                                                     message):
+    import tandem.bench
+
+    model = str(demo_model_dir("mixtral"))  # a context of 4096 tokens
+    capsys.readouterr()
+    monkeypatch.setattr(tandem.bench, "measure_read_bandwidth", lambda **kw: pytest.fail("measured"))
+    assert main(["bench", "--model", model, "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
 def test_multi_step_runs_time_each_token_as_it_is_streamed(demo_model_dir):
     from tandem.engine.llm_engine import EngineConfig, LLMEngine
     from tandem.engine_bench import run_requests

@@ -55,9 +55,14 @@ def test_generate_json_local(demo, capsys):
     (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
     (["--prompt", "hi", "--top-p", "0"], "top_p"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+    (["--prompt", "hi", "--temperature", "inf"], "temperature: must be a number >= 0, got inf"),
+    (["--prompt", "hi", "--max-model-len", "0"], "max_model_len must be at least 1, got 0"),
+    (["--prompt", "hi", "--max-model-len", "5000"], "max_model_len 5000 is more than the model's context"),
+    (["--server", "127.0.0.1:1", "--prompt", "hi", "--threads", "2", "--block-size", "32"],
+     "--threads, --block-size: engine flags, for --model; with --server the server's own settings apply"),
 ])
 def test_bad_input_exits_2_with_one_line(demo, args, message, capsys):
-    if "--model" not in args:
+    if "--model" not in args and "--server" not in args:
         args = ["--model", str(demo), *args]
     try:
         code = main(["generate", *args])
@@ -66,6 +71,19 @@ def test_bad_input_exits_2_with_one_line(demo, args, message, capsys):
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_a_failed_forward_pass_exits_1(demo, capsys, monkeypatch):
+    from tandem.engine.model_runner import ModelRunner
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(ModelRunner, "execute", fail)
+    assert main(["generate", "--model", str(demo), "--prompt-ids", "5,6", "--device", "cpu", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["finish_reason"] == "error"
+    assert captured.err.strip().splitlines()[-1] == "tandem: error: the forward pass failed"
 
 
 def test_bad_input_in_a_real_process_prints_no_traceback(demo):

@@ -59,6 +59,11 @@ def test_experts_are_page_locked_unless_asked_not_to(tmp_path):
     (["--threads", "0"], "--threads must be at least 1"),
     (["--max-num-seqs", "0"], "max_num_seqs must be at least 1, got 0"),
     (["--num-scheduler-steps", "0"], "num_scheduler_steps must be at least 1, got 0"),
+    (["--shutdown-grace", "nan"], "--shutdown-grace must be a number of seconds >= 0, got nan"),
+    (["--shutdown-grace", "-1"], "--shutdown-grace must be a number of seconds >= 0"),
+    (["--expert-timeout", "inf"], "--expert-timeout must be a number of seconds > 0, got inf"),
+    (["--cpu-kv-gib", "nan"], "cpu_kv_gib must be a number of GiB >= 0, got nan"),
+    (["--max-model-len", "0"], "max_model_len must be at least 1, got 0"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, argv, message):
     (tmp_path / "config.json").write_text("{}")
@@ -69,7 +74,42 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, argv, message):
 
 def test_model_directory_must_exist(tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
-    assert "not a checkpoint directory" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"architectures": ["GPT2LMHeadModel"]}', "unsupported architecture 'GPT2LMHeadModel'"),
+    (None, "no config.json"),
+])
+def test_a_checkpoint_that_cannot_load_is_refused_before_the_server_starts(tmp_path, capsys, config, message):
+    if config is not None:
+        (tmp_path / "config.json").write_text(config)
+    assert main(["serve", "--model", str(tmp_path), "--listen", "127.0.0.1:0", "--metrics-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_max_model_len_beyond_the_models_context_is_refused(demo_model_dir, capsys):
+    model = str(demo_model_dir())  # max_position_embeddings 4096
+    capsys.readouterr()  # the checkpoint's writing
+    argv = ["serve", "--model", model, "--listen", "127.0.0.1:0", "--metrics-port", "0", "--max-model-len", "4097"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--max-model-len 4097 is more than the model's context, max_position_embeddings 4096" in err
+    assert err.count("\n") == 1
+
+
+def test_device_cuda_without_cuda_is_refused(demo_model_dir, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    argv = ["serve", "--model", str(demo_model_dir()), "--listen", "127.0.0.1:0", "--metrics-port", "0",
+            "--device", "cuda"]
+    capsys.readouterr()  # the checkpoint's writing
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: no CUDA device" in err and err.count("\n") == 1
 
 
 def test_dense_quant_reaches_the_options_and_bad_values_exit_2(tmp_path, capsys):

@@ -176,7 +176,9 @@ async def test_an_attention_server_does_not_start_on_experts_of_another_model(st
     attention = await start_server(model=str(model_dir("mixtral")), role="attention", experts=listen,
                                    wait_serving=False)
     assert await asyncio.wait_for(attention.task, 60) == 1
-    assert "ModelError: experts at " in caplog.text and "another model than this process's" in caplog.text
+    [error] = [r for r in caplog.records if r.name == "tandem.serve" and r.levelname == "ERROR"]
+    assert error.getMessage().startswith("cannot load the model: experts at ") and error.exc_info is None
+    assert "another model than this process's" in error.getMessage()
 
 
 def test_unreachable_experts_raise_experts_unavailable(tmp_path):

@@ -113,6 +113,10 @@ BAD_REQUESTS = [
     (greedy([5], top_k=-1), "top_k"),
     (inference_pb2.GenerateRequest(prompt_token_ids=[5], sampling=inference_pb2.SamplingParams(temperature=-1)),
      "temperature"),
+    (inference_pb2.GenerateRequest(prompt_token_ids=[5], sampling=inference_pb2.SamplingParams(
+        temperature=float("inf"))), "temperature"),
+    (inference_pb2.GenerateRequest(prompt_token_ids=[5], sampling=inference_pb2.SamplingParams(
+        temperature=float("nan"))), "temperature"),
 ]
 
 
@@ -273,6 +277,15 @@ async def test_model_without_tokenizer(start_server, model_dir, tmp_path):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("prompt:")
     stream = await generate(server.address, greedy([5, 6]))
     assert len(token_ids(stream)) == 8 and all(r.text == "" for r in stream)
+
+
+async def test_a_checkpoint_that_fails_to_load_exits_1_with_one_line(start_server, model_dir, tmp_path, caplog):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir("mixtral"), broken, ignore=shutil.ignore_patterns("*.safetensors"))
+    server = await start_server(model=str(broken), wait_serving=False)
+    assert await asyncio.wait_for(server.task, 60) == 1
+    [record] = [r for r in caplog.records if r.name == "tandem.serve" and r.levelname == "ERROR"]
+    assert record.getMessage().startswith("cannot load the model: ") and record.exc_info is None
 
 
 async def test_shutdown_cancels_streams_left_after_the_grace(start_server, model_dir):

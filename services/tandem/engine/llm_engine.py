@@ -77,8 +77,22 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.device_prefill_tokens < 0:
             raise ValueError(f"device_prefill_tokens must be >= 0, got {self.device_prefill_tokens}")
-        if self.cpu_kv_gib < 0 or self.device_kv_gib <= 0:
-            raise ValueError("KV cache sizes must be positive")
+        if not 0 <= self.cpu_kv_gib < math.inf:  # NaN fails too
+            raise ValueError(f"cpu_kv_gib must be a number of GiB >= 0, got {self.cpu_kv_gib}")
+        if not 0 < self.device_kv_gib < math.inf:
+            raise ValueError(f"device_kv_gib must be a number of GiB > 0, got {self.device_kv_gib}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+
+
+def context_length(model_config, config: EngineConfig) -> int:
+    """The engine's max_model_len: config.max_model_len, which may not exceed the model's context
+    (ValueError, as vLLM refuses it), or by default the model's context up to DEFAULT_MAX_MODEL_LEN."""
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} is more than the model's context, "
+                         f"max_position_embeddings {limit}")
+    return min(limit, config.max_model_len or config.DEFAULT_MAX_MODEL_LEN)
 
 
 @dataclass
@@ -110,7 +124,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.model_config = cfg = model.cfg
-        self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or config.DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = context_length(cfg, config)
         dtype = next(model.parameters()).dtype
         layout = KVLayout(tuple(model.kv_entries()), cfg.num_layers, dtype)
         num_device, num_cpu = self._num_blocks(layout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -29,8 +30,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.max_tokens < 1:
             raise InvalidRequest("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if not self.temperature >= 0:
-            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise InvalidRequest("temperature", f"must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

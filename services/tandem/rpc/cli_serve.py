@@ -68,7 +68,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="decode tokens per engine step while only decodes run (vLLM's multi-step scheduling): "
                         "the scheduling between forward passes runs once per N tokens; each token is still "
                         "streamed as its step ends, and a run ends early for a new request (default 1)")
-    p.add_argument("--max-model-len", type=int, help="longest prompt plus generation (default: the model's)")
+    p.add_argument("--max-model-len", type=int,
+                   help="longest prompt plus generation (default: the model's context, at most 8192)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="waiting requests beyond this are refused with RESOURCE_EXHAUSTED (default 1024)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
@@ -108,8 +109,6 @@ def options_from_args(args):
 
 def run_serve(args) -> int:
     """Runs `tandem serve` until SIGTERM/SIGINT; returns the exit status."""
-    from pathlib import Path
-
     from tandem.cli import UsageError
     from tandem.rpc.loading import engine_config
     from tandem.rpc.server import serve
@@ -119,8 +118,27 @@ def run_serve(args) -> int:
         engine_config(opts)  # the engine's limits (--max-num-seqs, ...), checked before anything starts
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if not (Path(opts.model) / "config.json").is_file():
-        raise UsageError(f"--model: {opts.model} is not a checkpoint directory (no config.json)")
+    check_model(opts)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve(opts))
+
+
+def check_model(opts) -> None:
+    """What can be checked of --model and --device before the server starts, so that a mistake
+    there is one line and exit code 2, not a failed load after the server came up."""
+    import torch
+
+    from tandem.cli import UsageError
+    from tandem.engine.llm_engine import context_length
+    from tandem.model.config import ModelError, load_config
+    from tandem.rpc.loading import engine_config
+
+    try:
+        context_length(load_config(opts.model), engine_config(opts))
+    except ModelError as exc:
+        raise UsageError(f"--model: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("max_model_len", "--max-model-len")) from None
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available to this process")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import signal
 import threading
 import time
@@ -119,8 +120,10 @@ class ServeOptions:
             raise ValueError(f"--num-device-blocks must be at least 1, got {self.num_device_blocks}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
-        if self.shutdown_grace_s < 0 or self.expert_timeout_s <= 0:
-            raise ValueError("--shutdown-grace must be >= 0 and --expert-timeout > 0")
+        if not 0 <= self.shutdown_grace_s < math.inf:  # NaN fails too
+            raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {self.shutdown_grace_s}")
+        if not 0 < self.expert_timeout_s < math.inf:
+            raise ValueError(f"--expert-timeout must be a number of seconds > 0, got {self.expert_timeout_s}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
         if not 0 <= self.spin_us <= 1_000_000:
@@ -284,6 +287,11 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
             grace = max(0.0, deadline - time.monotonic())  # then in-flight gRPC calls get what is left
         await server.stop(grace=grace)
         return 0
+    except ValueError as exc:  # ModelError and the engine's limits: one line says what to fix
+        log.debug("load failed", exc_info=True)
+        log.error("cannot load the model: %s", exc)
+        await server.stop(grace=0)
+        return 1
     except Exception:
         log.exception("tandem serve failed")
         await server.stop(grace=0)
