@@ -64,6 +64,8 @@ def test_experts_are_page_locked_unless_asked_not_to(tmp_path):
     (["--expert-timeout", "inf"], "--expert-timeout must be a number of seconds > 0, got inf"),
     (["--cpu-kv-gib", "nan"], "cpu_kv_gib must be a number of GiB >= 0, got nan"),
     (["--max-model-len", "0"], "max_model_len must be at least 1, got 0"),
+    (["--kv-shm", ""], "--kv-shm: an empty path"),
+    (["--role", "experts", "--listen", "unix:/run/x.sock", "--experts-shm", " "], "--experts-shm: an empty path"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, argv, message):
     (tmp_path / "config.json").write_text("{}")

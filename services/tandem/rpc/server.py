@@ -111,6 +111,10 @@ class ServeOptions:
                                  "decide the experts' format")
             if not Path(self.experts_gguf).is_file():
                 raise ValueError(f"--experts-gguf: {self.experts_gguf} is not a file")
+        for flag, path in ((contract.SERVE_FLAGS["kv_shm"], self.kv_shm),
+                           (contract.SERVE_FLAGS["experts_shm"], self.experts_shm)):
+            if path is not None and not path.strip():
+                raise ValueError(f"{flag}: an empty path")
         if self.experts_shm and self.role != "experts":
             raise ValueError(f"--experts-shm is for --role experts (the attention process maps the file the experts "
                              f"process names), not --role {self.role}")
