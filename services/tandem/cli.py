@@ -82,7 +82,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
     """The flags of an engine in this process (generate --model, bench); returns their actions."""
     actions = [
         p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda when available)"),
-        p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's"),
+        p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                       help="default: the checkpoint's (float16 loads as float32)"),
         p.add_argument("--threads", type=int, help="CPU threads for the experts (default: all cores)"),
         p.add_argument("--expert-quant", choices=["none", "int8", "int4"], default="none",
                        help="weight-only quantization of the routed experts (default none)"),

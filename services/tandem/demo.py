@@ -63,14 +63,19 @@ def demo_config(arch: str, vocab_size: int, **overrides):
     return cfg
 
 
-def _randomize_router_bias(model) -> None:
-    # transformers initialises DeepSeek's selection bias to zero; trained checkpoints have one that
-    # changes which experts win, so the demo has one too (seeded by the caller's manual_seed).
+def _randomize_biases(model) -> None:
+    # transformers initialises biases to zero, DeepSeek's selection bias included; trained checkpoints
+    # have ones that change the outputs (and which experts win), so the demo has them too, and a
+    # bias the loader dropped shows (seeded by the caller's manual_seed).
     import torch
 
-    for name, buffer in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            buffer.copy_(torch.randn(buffer.shape) * 0.1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape) * 0.1)
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape) * model.config.initializer_range)
 
 
 def train_tokenizer(vocab_size: int = 384):
@@ -103,7 +108,7 @@ def make_demo_model(out_dir: str | Path, arch: str = "mixtral", seed: int = 0, d
                  "qwen3_moe": tf.Qwen3MoeForCausalLM, "llama": tf.LlamaForCausalLM,
                  "deepseek_v3": tf.DeepseekV3ForCausalLM}[arch]
     model = model_cls(cfg).to(getattr(torch, dtype))
-    _randomize_router_bias(model)
+    _randomize_biases(model)
     model.save_pretrained(out)
     tok.save(str(out / "tokenizer.json"))
     return out

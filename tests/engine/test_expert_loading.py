@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -118,8 +119,8 @@ def test_missing_moe_layer_is_named(mixtral, tmp_path, load):
 
 @pytest.mark.parametrize("load", LOADS)
 def test_only_the_tensors_a_process_serves_are_read(mixtral, monkeypatch, load):
-    # The experts process reads the routed experts only; neither reads a layer past the config's
-    # last (DeepSeek-V3's multi-token-prediction layer is a whole MoE layer).
+    # The experts process reads the routed experts only (DeepSeek-V3's multi-token-prediction layer,
+    # a whole MoE layer, is read by neither: tests/engine/test_loader_errors.py).
     read = []
     real_open = loader.safe_open
 
@@ -135,7 +136,7 @@ def test_only_the_tensors_a_process_serves_are_read(mixtral, monkeypatch, load):
             return self.f.__exit__(*exc)
 
         def keys(self):
-            return list(self.inner.keys()) + [expert_name(LAYERS, 0, "w1")]  # a layer past the last
+            return self.inner.keys()
 
         def get_tensor(self, name):
             read.append(name)
@@ -180,6 +181,28 @@ def test_stacked_checkpoint_tensors_are_taken_as_they_are(mixtral):
     order, layers, _ = collect(cfg, items)
     assert order == list(range(LAYERS))
     assert all(layers[i].gate_up is want[i].gate_up and layers[i].down is want[i].down for i in range(LAYERS))
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("gate_up_proj", (EXPERTS // 2, 2 * INTER, HIDDEN)),  # fewer experts than the config's
+    ("gate_up_proj", (EXPERTS, 2 * INTER, HIDDEN // 2)),  # another hidden size
+    ("down_proj", (EXPERTS, INTER, HIDDEN)),  # [E, I, H]: transposed
+])
+def test_stacked_experts_off_the_config_are_a_clear_error(mixtral, name, shape):
+    cfg = load_config(mixtral)
+    w = stacked_by_hand(mixtral)[1]
+    items = {"gate_up_proj": w.gate_up, "down_proj": w.down} | {name: torch.zeros(shape)}
+    with pytest.raises(ModelError, match=rf"layer 1 mlp.experts.{name}: checkpoint shape {re.escape(str(shape))} "
+                                         r"!= expected \("):
+        collect(cfg, [(f"model.layers.1.mlp.experts.{k}", v) for k, v in items.items()])
+
+
+def test_expert_tensors_of_a_layer_without_experts_are_a_clear_error(mixtral):
+    cfg = load_config(mixtral)
+    for name in (expert_name(LAYERS, 0, "w1"), f"model.layers.{LAYERS}.mlp.experts.down_proj"):
+        with pytest.raises(ModelError, match=f"{re.escape(name)} is in layer {LAYERS}, but the config has "
+                                             f"num_hidden_layers {LAYERS}"):
+            collect(cfg, [(name, torch.zeros(1))])
 
 
 def test_expert_shape_or_index_off_the_config_is_a_clear_error(mixtral):

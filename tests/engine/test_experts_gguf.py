@@ -254,7 +254,8 @@ def test_generate_takes_experts_from_a_gguf_file(gguf_model, capsys):
 
 def test_a_gguf_file_of_another_model_is_refused(gguf_model, demo_model_dir):
     _, path, _ = gguf_model
-    with pytest.raises(ModelError, match="layer 0 has 8 experts of \\[256, 256\\].*the checkpoint 8 of \\[128, 64\\]"):
+    message = r"layer 0 has 8 experts of \[256, 256\] \(gate\), the checkpoint 8 experts of \[128, 64\]"
+    with pytest.raises(ModelError, match=message):
         LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu", experts_gguf=path)
     with pytest.raises(ModelError, match="no routed experts"):
         LLMEngine.from_pretrained(demo_model_dir("llama"), device="cpu", experts_gguf=path)

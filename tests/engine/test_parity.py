@@ -7,6 +7,9 @@ logits of every step must agree (float32: max abs diff <= 1e-4).
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 import transformers
@@ -18,12 +21,12 @@ ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "llama"]
 NEW_TOKENS = 40
 
 
-def hf_greedy(model_dir, prompt, n, dtype=torch.float32):
+def hf_greedy(model_dir, prompt, n, dtype=torch.float32, use_cache=True):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: always n tokens, nothing suppressed
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, use_cache=use_cache,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     logits = torch.stack([step[0].float() for step in out.logits])  # [n, V]
@@ -45,10 +48,11 @@ def prompt_for(seed: int, length: int, vocab: int = 300) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=g).tolist()
 
 
-def assert_float32_matches(model_dir, name: str, new_tokens: int = NEW_TOKENS, native_decode: bool = True):
+def assert_float32_matches(model_dir, name: str, new_tokens: int = NEW_TOKENS, native_decode: bool = True,
+                           use_cache: bool = True):
     """Greedy tokens identical to transformers' and every step's logits within 1e-4; returns the engine."""
     prompt = prompt_for(1, 11)
-    ref_tokens, ref_logits = hf_greedy(model_dir, prompt, new_tokens)
+    ref_tokens, ref_logits = hf_greedy(model_dir, prompt, new_tokens, use_cache=use_cache)
     [tokens], [logits], engine = tandem_greedy(model_dir, [prompt], new_tokens, native_decode=native_decode)
     assert tokens == ref_tokens
     assert len(set(tokens)) > 3, "degenerate checkpoint: generation should not be one repeated token"
@@ -99,6 +103,24 @@ def test_sliding_window_matches_transformers_float32(demo_model_dir):
     # A window shorter than the generation: the native kernel and transformers' mask both drop old keys.
     engine = assert_float32_matches(demo_model_dir("mixtral", initializer_range=0.2, sliding_window=8), "mixtral")
     assert engine.model.native_path.steps == NEW_TOKENS - 1
+
+
+def test_qwen2_moe_slides_the_layers_its_layer_types_name(demo_model_dir, tmp_path):
+    # transformers' Qwen2-MoE slides exactly the layers `layer_types` calls sliding_attention: here all.
+    src = demo_model_dir("qwen2_moe", initializer_range=0.2, use_sliding_window=True, sliding_window=8)
+    model_dir = shutil.copytree(src, tmp_path / "sliding")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(dict(config, layer_types=["sliding_attention"] * 2)))
+    engine = assert_float32_matches(model_dir, "qwen2_moe")
+    assert engine.model.cfg.sliding_window == 8
+
+
+def test_llama_never_slides_whatever_its_config_holds(demo_model_dir):
+    # transformers' Llama attends to every key (a stray sliding_window only makes its generate's cache
+    # drop keys in decode steps, not the prefill's mask): the reference is its model without a cache.
+    model_dir = demo_model_dir("llama", initializer_range=0.2, sliding_window=8)
+    engine = assert_float32_matches(model_dir, "llama", use_cache=False)
+    assert engine.model.cfg.sliding_window is None
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
@@ -188,8 +210,16 @@ def test_batch_of_different_lengths_equals_each_alone(arch, demo_model_dir):
         assert (logits - alone_logits).abs().max().item() <= 1e-4
 
 
-def test_attention_bias_matches_transformers_float32(demo_model_dir):
-    # Q/K/V biases (Qwen-style attention), added after the fused Q/K/V projection on the native path.
-    engine = assert_float32_matches(demo_model_dir("qwen3_moe", initializer_range=0.2, attention_bias=True), "qwen3_moe")
-    assert engine.model.native_path.steps == NEW_TOKENS - 1
-    assert engine.model.model.layers[0].self_attn.q_proj.bias is not None
+@pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {"attention_bias": True}),
+                                             ("llama", {"attention_bias": True}), ("llama", {"mlp_bias": True})])
+@pytest.mark.parametrize("native_decode", [True, False])
+def test_projection_biases_match_transformers_float32(arch, overrides, native_decode, demo_model_dir):
+    # attention_bias: Q/K/V and O biases (added after the fused Q/K/V projection on the native path);
+    # Llama's mlp_bias: the MLP's three. The demo checkpoints' biases are random, as trained ones are.
+    engine = assert_float32_matches(demo_model_dir(arch, initializer_range=0.2, **overrides), arch,
+                                    native_decode=native_decode)
+    path = engine.model.native_path
+    assert (path.steps == NEW_TOKENS - 1) if native_decode else path is None
+    layer = engine.model.model.layers[0]
+    biased = [layer.self_attn.q_proj, layer.self_attn.o_proj] if "attention_bias" in overrides else [layer.mlp.up_proj]
+    assert all(linear.bias is not None and linear.bias.abs().sum() > 0 for linear in biased)

@@ -26,7 +26,7 @@ from tandem.experts.device_prefill import DevicePrefill
 from tandem.experts.shared_weights import SharedPrefill, give_pages_of_their_own
 from tandem.kv.block_manager import KVBlockManager
 from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
-from tandem.model.loader import load_model
+from tandem.model.loader import load_model, load_tokenizer
 from tandem.model.moe import wrap_executors
 
 GiB = 1 << 30
@@ -407,12 +407,3 @@ class _Request:
     reported: int = 0  # output tokens already returned
     pending_text: str = ""
     stopped_by_string: bool = False  # its text ends before a stop string
-
-
-def load_tokenizer(model_dir: str | Path):
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))

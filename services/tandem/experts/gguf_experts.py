@@ -50,6 +50,18 @@ def load_gguf_experts(path: str | Path) -> dict[int, ExpertWeights]:
     """layer -> ExpertWeights (gate_up [E, 2I, H], down [E, H, I]) as `Int4Weight`s or
     `Int8Weight`s, one format a layer, for `make_expert_executor(..., quant=gguf_quant(layers))`.
     ValueError names the file or tensor that cannot be read."""
+    return {layer: _layer(layer, tensors) for layer, tensors in sorted(_expert_tensors(path).items())}
+
+
+def gguf_expert_shapes(path: str | Path) -> dict[int, dict[str, tuple[int, ...]]]:
+    """layer -> {"gate", "up", "down": [E, N, K]} of the file's routed-expert tensors, from its tensor
+    index alone (nothing read or dequantized): what a checkpoint's config is checked against first."""
+    return {layer: {proj: tuple(int(n) for n in reversed(t.shape)) for proj, t in tensors.items()}  # GGUF: [K, N, E]
+            for layer, tensors in _expert_tensors(path).items()}
+
+
+def _expert_tensors(path: str | Path) -> dict[int, dict[str, object]]:
+    """layer -> {"gate", "up", "down": the reader's tensor} of the routed experts in `path`."""
     import gguf
 
     path = Path(path)
@@ -65,7 +77,7 @@ def load_gguf_experts(path: str | Path) -> dict[int, ExpertWeights]:
             found.setdefault(int(m[1]), {})[m[2]] = tensor
     if not found:
         raise ValueError(f"{path} has no routed-expert tensors (blk.N.ffn_gate_exps.weight ...)")
-    return {layer: _layer(layer, tensors) for layer, tensors in sorted(found.items())}
+    return found
 
 
 def gguf_quant(layers: dict[int, ExpertWeights]) -> str:

@@ -14,15 +14,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tandem.model.deepseek_config import MlaDims
 
-SUPPORTED_ARCHITECTURES = (
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "LlamaForCausalLM",
-    "DeepseekV3ForCausalLM",
-)
+# Each architecture served, and the model_type of its transformers config.
+SUPPORTED_ARCHITECTURES = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "LlamaForCausalLM": "llama",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
 # RoPE variants whose frequencies do not depend on the sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# transformers' names (ACT2FN) for SiLU, the one gate activation the MLP and expert kernels compute.
+SILU_ACTIVATIONS = ("silu", "swish")
 
 
 class ModelError(ValueError):
@@ -45,7 +48,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    attention_bias: bool
+    attention_bias: bool  # q/k/v (DeepSeek-V3: its two down projections)
+    o_proj_bias: bool
+    mlp_bias: bool  # the dense MLP's three projections (Llama's mlp_bias)
     qk_norm: bool
     sliding_window: int | None
     # mixture of experts (num_experts 0 for dense models)
@@ -63,6 +68,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     # block-scaled FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None when unquantized
     fp8_block_size: tuple[int, int] | None = None
+    # DeepSeek-V3: multi-token-prediction layers stored after the last decoder layer, never run
+    mtp_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -75,27 +82,61 @@ class ModelConfig:
 def load_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
-    if not model_dir.is_dir():
+    if not model_dir.exists():
         raise ModelError(f"model directory {str(model_dir)!r} does not exist")
+    if not model_dir.is_dir():
+        raise ModelError(f"model path {str(model_dir)!r} is not a directory: give the checkpoint directory, "
+                         "the one that holds config.json")
     if not path.is_file():
         raise ModelError(f"{model_dir} has no config.json: not a Hugging Face checkpoint directory")
-    raw = json.loads(path.read_text())
-    architectures = raw.get("architectures") or []
-    arch = architectures[0] if architectures else None
-    if arch not in SUPPORTED_ARCHITECTURES:
+    arch = _architecture(read_json(path), path)
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:  # a field of the wrong type or value
+        raise ModelError(f"{path}: transformers cannot read it: {' '.join(str(exc).split())}") from None
+    if hf.model_type != SUPPORTED_ARCHITECTURES[arch]:
+        raise ModelError(f"{path}: model_type {hf.model_type!r} is not {arch}'s {SUPPORTED_ARCHITECTURES[arch]!r}")
+    return from_hf_config(arch, hf)
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in `path`; ModelError naming the file when it holds anything else."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelError(f"{path} must hold a JSON object, not a {type(value).__name__}")
+    return value
+
+
+def _architecture(raw: dict, path: Path) -> str:
+    architectures = raw.get("architectures")
+    if architectures is None:
+        raise ModelError(f"{path} has no \"architectures\" list, so the model class is unknown; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if not isinstance(architectures, list) or not architectures:
+        raise ModelError(f"\"architectures\" in {path} must be a non-empty list such as [\"MixtralForCausalLM\"], "
+                         f"got {architectures!r}")
+    arch = architectures[0]
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
             f"unsupported architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    return from_hf_config(arch, hf)
+    return arch
 
 
 def from_hf_config(arch: str, hf) -> ModelConfig:
     rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         raise ModelError(f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
+    act = getattr(hf, "hidden_act", "silu")
+    if act not in SILU_ACTIVATIONS:
+        raise ModelError(f"hidden_act {act!r} is not supported: the MLPs and experts compute SiLU-gated units "
+                         f"({', '.join(repr(a) for a in SILU_ACTIVATIONS)})")
     num_layers = hf.num_hidden_layers
     num_heads = hf.num_attention_heads
     eos = hf.eos_token_id
@@ -115,9 +156,9 @@ def from_hf_config(arch: str, hf) -> ModelConfig:
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         eos_token_ids=eos_ids,
         bos_token_id=getattr(hf, "bos_token_id", None),
-        attention_bias=bool(getattr(hf, "attention_bias", False) or getattr(hf, "qkv_bias", False)),
+        **_biases(arch, hf),
         qk_norm=hf.model_type == "qwen3_moe",
-        sliding_window=_sliding_window(hf),
+        sliding_window=_sliding_window(arch, hf),
         hf_config=hf,
         fp8_block_size=_fp8_block_size(hf),
     )
@@ -139,8 +180,9 @@ def from_hf_config(arch: str, hf) -> ModelConfig:
         moe = deepseek_fields(hf, num_layers)
     else:
         raise ModelError(f"architecture {arch!r} is recognised but not yet served by this build")
-    if moe["num_experts"] and moe["top_k"] > moe["num_experts"]:
-        raise ModelError(f"num_experts_per_tok {moe['top_k']} exceeds the number of experts {moe['num_experts']}")
+    if moe["num_experts"] and not 1 <= moe["top_k"] <= moe["num_experts"]:
+        raise ModelError(f"num_experts_per_tok {moe['top_k']} must lie in [1, {moe['num_experts']}], "
+                         "the number of experts")
     return ModelConfig(**common, **moe)
 
 
@@ -156,7 +198,31 @@ def _qwen_is_sparse(hf, layer: int) -> bool:
     return layer not in mlp_only and hf.num_experts > 0 and (layer + 1) % step == 0
 
 
-def _sliding_window(hf) -> int | None:
-    if hf.model_type == "qwen2_moe" and not getattr(hf, "use_sliding_window", False):
+def _biases(arch: str, hf) -> dict:
+    """Which projections carry a bias, as each architecture's transformers model builds them."""
+    if arch == "MixtralForCausalLM":
+        return dict(attention_bias=False, o_proj_bias=False, mlp_bias=False)
+    if arch == "Qwen2MoeForCausalLM":  # Q/K/V only
+        return dict(attention_bias=bool(hf.qkv_bias), o_proj_bias=False, mlp_bias=False)
+    attention = bool(getattr(hf, "attention_bias", False))  # Llama, Qwen3-MoE, DeepSeek-V3: O's too
+    return dict(attention_bias=attention, o_proj_bias=attention,
+                mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)))
+
+
+def _sliding_window(arch: str, hf) -> int | None:
+    """The attention window of every layer, as transformers applies it (None: every key)."""
+    if arch in ("LlamaForCausalLM", "DeepseekV3ForCausalLM"):
+        return None  # their transformers models never slide, whatever the config holds
+    window = getattr(hf, "sliding_window", None) or None
+    if arch != "Qwen2MoeForCausalLM":
+        return window  # Mixtral, Qwen3-MoE: every layer (Qwen3-MoE's config clears it without use_sliding_window)
+    sliding = [i for i, kind in enumerate(hf.layer_types) if kind == "sliding_attention"]
+    if not sliding:
         return None
-    return getattr(hf, "sliding_window", None)
+    if len(sliding) < len(hf.layer_types):
+        raise ModelError(f"layer_types: layers {sliding} slide a window and the others attend to every key; "
+                         "only one window for every layer is supported")
+    if window is None:
+        raise ModelError("layer_types asks for sliding_attention, but the config has no sliding_window "
+                         "(or use_sliding_window is false)")
+    return window

@@ -46,7 +46,7 @@ class MlaAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(hidden, d.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(d.kv_lora_rank, cfg.num_heads * (d.qk_nope_head_dim + d.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * d.v_head_dim, hidden, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d.v_head_dim, hidden, bias=cfg.o_proj_bias)
         self.rope = apply_rope_interleaved if d.rope_interleave else apply_rope
 
     @staticmethod

@@ -36,8 +36,6 @@ class MlaDims:
 
 def deepseek_fields(hf, num_layers: int) -> dict:
     """The ModelConfig fields that differ from the defaults for a `DeepseekV3ForCausalLM` checkpoint."""
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise ModelError(f"hidden_act {hf.hidden_act!r} is not supported; DeepSeek-V3 uses 'silu'")
     experts, top_k = hf.n_routed_experts, hf.num_experts_per_tok
     groups, topk_group = hf.n_group or 1, hf.topk_group or 1
     _check_routing(experts, groups, topk_group, top_k)
@@ -55,6 +53,7 @@ def deepseek_fields(hf, num_layers: int) -> dict:
         n_group=groups,
         topk_group=topk_group,
         routed_scaling_factor=float(hf.routed_scaling_factor),
+        mtp_layers=getattr(hf, "num_mtp_layers", 0) or 0,
     )
 
 

@@ -1,12 +1,13 @@
 """Load a Hugging Face checkpoint directory unchanged: safetensors (single or sharded) and config.
 
 Routed-expert tensors are stacked per layer into `ExpertWeights` for the expert executor; every
-other tensor goes into the model on the compute device.
+other tensor goes into the model on the compute device. A tensor the model has no place for is a
+ModelError, not skipped: without it (a bias, a layer) the model would compute another one.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import re
 import sys
 from collections import defaultdict
@@ -14,15 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from tandem.experts.base import ExpertExecutor, ExpertWeights
-from tandem.model.config import ModelConfig, ModelError, load_config
+from tandem.model.config import ModelConfig, ModelError, load_config, read_json
 from tandem.model.fp8 import SCALE_SUFFIX, dequantize_stream
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.model import CausalLM
 from tandem.model.quant_linear import quantize_dense_
+
+_log = logging.getLogger(__name__)
 
 PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for checkpoints larger than this
 
@@ -34,27 +37,60 @@ _EXPERT_KEY = re.compile(
 _STACKED_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+# A shared expert's tensors, per architecture that has one.
+_SHARED_EXPERT = {"Qwen2MoeForCausalLM": re.compile(r"model\.layers\.\d+\.mlp\.shared_expert(?:_gate)?\."),
+                  "DeepseekV3ForCausalLM": re.compile(r"model\.layers\.\d+\.mlp\.shared_experts\.")}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_dtype(cfg: ModelConfig, dtype: str | torch.dtype | None) -> torch.dtype:
+    """`dtype` when given, else the checkpoint's; a float16 checkpoint's is float32, which holds its
+    values exactly (bfloat16 would round them)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = dtype or str(getattr(cfg.hf_config, "dtype", None) or "float32").replace("torch.", "")
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.bfloat16}
-    if name not in table:
-        raise ModelError(f"unsupported dtype {name!r}; supported: float32, bfloat16")
-    return table[name]
+    name = dtype or _checkpoint_dtype(cfg)
+    if dtype is None and name == "float16":
+        return torch.float32
+    if name not in _DTYPES:
+        raise ModelError(f"unsupported dtype {name!r}; supported: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _checkpoint_dtype(cfg: ModelConfig) -> str:
+    return str(getattr(cfg.hf_config, "dtype", None) or "float32").replace("torch.", "")
+
+
+def _weights_dtype(cfg: ModelConfig, dtype: str | torch.dtype | None) -> torch.dtype:
+    """`resolve_dtype`, saying so when a float16 checkpoint becomes float32."""
+    resolved = resolve_dtype(cfg, dtype)
+    if dtype is None and _checkpoint_dtype(cfg) == "float16":
+        _log.info("float16 checkpoint: its weights load as float32, which holds them exactly; "
+                  "--dtype bfloat16 halves their memory but rounds them")
+    return resolved
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ModelError(f"{index} has no \"weight_map\" from tensor names to shard files")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelError(f"{index} names {len(missing)} shard(s) that {model_dir} does not hold, e.g. {missing[0]}")
+        return files
     single = model_dir / "model.safetensors"
     if single.is_file():
         return [single]
     raise ModelError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
+
+
+def _open_shard(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:  # empty, truncated or not safetensors at all
+        raise ModelError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
 def iter_tensors(model_dir: Path, desc: str, skip: Callable[[str], bool] | None = None):
@@ -66,7 +102,7 @@ def iter_tensors(model_dir: Path, desc: str, skip: Callable[[str], bool] | None 
               disable=total < PROGRESS_MIN_BYTES) as bar:
         done = 0
         for path in files:
-            with safe_open(str(path), framework="pt") as f:
+            with _open_shard(path) as f:
                 for name in f.keys():
                     if skip is not None and skip(name):
                         continue
@@ -78,15 +114,16 @@ def iter_tensors(model_dir: Path, desc: str, skip: Callable[[str], bool] | None 
 
 
 def checkpoint_tensors(model_dir: Path, cfg: ModelConfig, desc: str, experts: bool = True, dense: bool = True):
-    """`iter_tensors` as the model sees it: FP8 weights dequantized, layers past the last one not
-    read; with experts False, the routed experts' tensors (and their FP8 scales) are not read, with
-    dense False everything else is not (what the experts process of the split deployment needs).
+    """`iter_tensors` as the model sees it: FP8 weights dequantized, multi-token-prediction layers
+    not read; with experts False, the routed experts' tensors (and their FP8 scales) are not read,
+    with dense False everything else is not (what the experts process of the split deployment needs).
 
     DeepSeek-V3 ships its multi-token-prediction module as `model.layers.{num_hidden_layers}.*`
-    (a whole MoE layer, 11 GB in fp8); plain decoding never runs it, so it is not read.
+    (a whole MoE layer, 11 GB in fp8); plain decoding never runs it, so it is not read. Any other
+    layer past the last one reaches the caller, which refuses it (`_unexpected_tensor`).
     """
     def skip(name: str) -> bool:
-        if _layer_index(name) >= cfg.num_layers:
+        if cfg.num_layers <= _layer_index(name) < cfg.num_layers + cfg.mtp_layers:
             return True
         return not (experts if is_expert_tensor(name.removesuffix(SCALE_SUFFIX)) else dense)
 
@@ -100,6 +137,27 @@ def _layer_index(name: str) -> int:
 
 def is_expert_tensor(name: str) -> bool:
     return bool(_EXPERT_KEY.match(name) or _STACKED_KEY.match(name))
+
+
+def _inert(cfg: ModelConfig, key: str) -> bool:
+    """Whether a checkpoint tensor the model has no place for changes nothing: rotary frequencies the
+    model computes itself, or the zero-width shared expert (and Qwen2-MoE's gate of it) transformers
+    builds, and saves, for a config without one: its output is zero."""
+    if key.endswith(".rotary_emb.inv_freq"):
+        return True
+    shared = _SHARED_EXPERT.get(cfg.architecture)
+    return shared is not None and not cfg.shared_expert_intermediate_size and bool(shared.match(key))
+
+
+def _unexpected_tensor(cfg: ModelConfig, name: str) -> ModelError:
+    """The error for a checkpoint tensor the model as configured has no place for: loading without it
+    would compute another model than the checkpoint's."""
+    layer = _layer_index(name)
+    if layer >= cfg.num_layers:
+        return ModelError(f"checkpoint tensor {name} is in layer {layer}, but the config has num_hidden_layers "
+                          f"{cfg.num_layers}")
+    return ModelError(f"checkpoint tensor {name} is not a weight of {cfg.architecture} as its config describes it "
+                      "(a config field that adds it, such as a bias, is missing or not supported)")
 
 
 class ExpertCollector:
@@ -125,7 +183,7 @@ class ExpertCollector:
         else:
             return
         if not self.cfg.is_moe_layer(layer):
-            return
+            raise _unexpected_tensor(self.cfg, name)
         parts = self.parts[layer]
         parts[key] = tensor.to(self.dtype)
         if self._complete(parts):
@@ -155,11 +213,16 @@ class ExpertCollector:
         return [(proj, e) for proj in ("gate", "up", "down") for e in experts if (proj, e) not in parts]
 
     def _stack(self, layer: int, parts: dict) -> ExpertWeights:
+        e, i, h = self.cfg.num_experts, self.cfg.moe_intermediate_size, self.cfg.hidden_size
         if "gate_up_proj" in parts:
+            for name, shape in (("gate_up_proj", (e, 2 * i, h)), ("down_proj", (e, h, i))):
+                if tuple(parts[name].shape) != shape:
+                    raise ModelError(f"layer {layer} mlp.experts.{name}: checkpoint shape {tuple(parts[name].shape)} "
+                                     f"!= expected {shape} from the config's experts, moe_intermediate_size and "
+                                     "hidden_size")
             return ExpertWeights(parts.pop("gate_up_proj").contiguous(), parts.pop("down_proj").contiguous())
         # Copy into the stacked tensors expert by expert, freeing each part as it lands, so a layer
         # costs its own size once rather than parts + stack + concatenation.
-        e, i, h = self.cfg.num_experts, self.cfg.moe_intermediate_size, self.cfg.hidden_size
         gate_up = torch.empty(e, 2 * i, h, dtype=self.dtype)  # [E, 2I, H]
         down = torch.empty(e, h, i, dtype=self.dtype)  # [E, H, I]
         for expert in range(e):
@@ -190,10 +253,10 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     """
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
-    dtype = resolve_dtype(cfg, dtype)
+    dtype = _weights_dtype(cfg, dtype)
     device = torch.device(device)
     if experts_gguf is not None and executor is None:
-        _check_gguf_args(cfg, expert_quant)
+        _check_gguf(cfg, expert_quant, experts_gguf)
     collector = None
     if executor is None and cfg.is_moe and experts_gguf is None:
         executor, add_layer = _empty_executor(expert_threads, expert_quant)
@@ -214,7 +277,9 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if key not in params:
-            continue  # e.g. rotary buffers some checkpoints carry
+            if _inert(cfg, key):
+                continue
+            raise _unexpected_tensor(cfg, name)
         param = params[key]
         if param.shape != tensor.shape:
             raise ModelError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
@@ -227,13 +292,26 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     if collector is not None:
         collector.finish()
     if executor is None and cfg.is_moe:
-        executor = _gguf_executor(cfg, experts_gguf, expert_threads)
+        executor = _gguf_executor(experts_gguf, expert_threads)
         for layer in model.model.layers:
             if hasattr(layer.mlp, "executor"):
                 layer.mlp.executor = executor
     model.eval()
     quantize_dense_(model, dense_quant)
     return model, executor
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's `tokenizers` tokenizer from its tokenizer.json; None when it has none."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ModelError(f"{path} is not a tokenizer the tokenizers library can read: {exc}") from None
 
 
 def _keep_float32(model: torch.nn.Module) -> None:
@@ -265,8 +343,8 @@ def build_expert_executor(model_dir: str | Path, *, dtype=None, threads: int | N
         _load_experts(model_dir, cfg, dtype, add_layer)
         return executor
     cfg = load_config(model_dir)
-    _check_gguf_args(cfg, quant)
-    return _gguf_executor(cfg, experts_gguf, threads)
+    _check_gguf(cfg, quant, experts_gguf)
+    return _gguf_executor(experts_gguf, threads)
 
 
 def _experts_config(model_dir: Path) -> ModelConfig:
@@ -278,34 +356,46 @@ def _experts_config(model_dir: Path) -> ModelConfig:
 
 def _load_experts(model_dir: Path, cfg: ModelConfig, dtype, on_layer: Callable[[int, ExpertWeights], None]) -> None:
     """Read only the routed-expert weights, handing each MoE layer to `on_layer` once it is complete."""
-    collector = ExpertCollector(cfg, resolve_dtype(cfg, dtype), on_layer)
+    collector = ExpertCollector(cfg, _weights_dtype(cfg, dtype), on_layer)
     for name, tensor in checkpoint_tensors(model_dir, cfg, "loading experts", dense=False):
         collector.add(name, tensor)
     collector.finish()
 
 
-def _check_gguf_args(cfg: ModelConfig, expert_quant: str) -> None:
+def _check_gguf(cfg: ModelConfig, expert_quant: str, path: str | Path) -> None:
+    """Before any weight loads: the GGUF file's routed experts are the checkpoint's, the same MoE
+    layers and each layer's experts of its shapes (read from the file's tensor index)."""
     if not cfg.is_moe:
         raise ModelError(f"{cfg.architecture} has no routed experts to load from a GGUF file")
     if expert_quant != "none":
         raise ValueError(f"expert quantization {expert_quant!r} and a GGUF experts file exclude each other: "
                          "the file's types decide the experts' format")
+    from tandem.experts.gguf_experts import gguf_expert_shapes
 
-
-def _gguf_executor(cfg: ModelConfig, path: str | Path, threads: int | None) -> ExpertExecutor:
-    """An executor for the routed experts of `path` (a llama.cpp GGUF file), checked against the
-    checkpoint's config: the same MoE layers, and each layer's experts of its shapes."""
-    from tandem.experts.gguf_experts import gguf_quant, load_gguf_experts
-
-    layers = load_gguf_experts(path)
+    layers = gguf_expert_shapes(path)
     if sorted(layers) != sorted(cfg.moe_layers):
         raise ModelError(f"{path}: routed experts for layers {sorted(layers)}, but the checkpoint's MoE layers "
                          f"are {sorted(cfg.moe_layers)}")
     e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    for layer, w in layers.items():
-        if tuple(w.gate_up.shape) != (e, 2 * i, h):
-            raise ModelError(f"{path}: layer {layer} has {w.gate_up.shape[0]} experts of [{w.gate_up.shape[1] // 2}, "
-                             f"{w.gate_up.shape[2]}] (gate), the checkpoint {e} of [{i}, {h}]")
+    want = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
+    for layer, shapes in sorted(layers.items()):
+        for proj, shape in want.items():
+            if shapes.get(proj) != shape:
+                raise ModelError(f"{path}: layer {layer} has {_experts_of(shapes.get(proj))} ({proj}), "
+                                 f"the checkpoint {_experts_of(shape)}")
+
+
+def _experts_of(shape: tuple[int, ...] | None) -> str:
+    if shape is None:
+        return "no tensor"
+    return f"{shape[0]} experts of {list(shape[1:])}" if len(shape) == 3 else f"a tensor of shape {list(shape)}"
+
+
+def _gguf_executor(path: str | Path, threads: int | None) -> ExpertExecutor:
+    """An executor for the routed experts of `path` (a llama.cpp GGUF file `_check_gguf` passed)."""
+    from tandem.experts.gguf_experts import gguf_quant, load_gguf_experts
+
+    layers = load_gguf_experts(path)
     executor, add_layer = _empty_executor(threads, gguf_quant(layers))
     for layer, w in layers.items():
         add_layer(layer, w)

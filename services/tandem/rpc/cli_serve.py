@@ -38,7 +38,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "prefill chunks' experts there; a restart whose model, dtype and quantization match maps "
                         "it instead of loading again")
     p.add_argument(F["device"], choices=["cpu", "cuda"], help="compute device (default: cuda when available)")
-    p.add_argument(F["dtype"], choices=["float32", "bfloat16"], help="default: the checkpoint's")
+    p.add_argument(F["dtype"], choices=["float32", "bfloat16"],
+                   help="default: the checkpoint's (float16 loads as float32)")
     p.add_argument(F["threads"], type=int, help="CPU threads for the experts (default: all cores)")
     p.add_argument(F["block_size"], type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument(F["gpu_memory_fraction"], type=float, default=0.9,
