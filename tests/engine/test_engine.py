@@ -115,6 +115,16 @@ def test_finish_reasons_stop_token_and_length(model_dir):
     assert stopped.token_ids == free.token_ids[: first + 1]
 
 
+def test_an_unset_max_tokens_is_16_or_what_the_context_has_left(model_dir):
+    e = engine(model_dir, max_model_len=64)
+    unset = SamplingParams(temperature=0.0, ignore_eos=True)
+    [short, near_the_end] = e.generate([[5] * 10, [5] * 59], unset)
+    assert (len(short.token_ids), short.finish_reason) == (16, "length")
+    assert (len(near_the_end.token_ids), near_the_end.finish_reason) == (5, "length")  # the context's end
+    with pytest.raises(InvalidRequest, match="max_tokens"):  # one that is set must fit
+        e.add_request("r", [5] * 59, SamplingParams(max_tokens=6))
+
+
 def test_stop_string_truncates_text(model_dir):
     e = engine(model_dir)
     [free] = e.generate(prompts(1), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))

@@ -108,6 +108,7 @@ BAD_REQUESTS = [
     (greedy([5], max_tokens=0), "max_tokens"),
     (greedy([5], max_tokens=300), "max_tokens"),  # beyond the 256-token context
     (inference_pb2.GenerateRequest(prompt_token_ids=[5] * 256), "prompt"),  # no room left, max_tokens unset
+    (greedy([5] * 250, max_tokens=7), "max_tokens"),  # set, it must fit: unset, 6 tokens would come
     (inference_pb2.GenerateRequest(prompt_token_ids=[5], request_id="r" * 257), "request_id"),
     (greedy([5], top_p=1.5), "top_p"),
     (greedy([5], top_k=-1), "top_k"),
@@ -277,6 +278,14 @@ async def test_model_without_tokenizer(start_server, model_dir, tmp_path):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("prompt:")
     stream = await generate(server.address, greedy([5, 6]))
     assert len(token_ids(stream)) == 8 and all(r.text == "" for r in stream)
+
+
+async def test_an_unset_max_tokens_ends_at_the_context_with_length(start_server, model_dir):
+    server = await start_server(model=str(model_dir("mixtral")))  # max_model_len 256
+    request = inference_pb2.GenerateRequest(
+        prompt_token_ids=[5] * 250, sampling=inference_pb2.SamplingParams(temperature=0.0, ignore_eos=True))
+    stream = await generate(server.address, request)
+    assert len(token_ids(stream)) == 6 and stream[-1].finish_reason == "length"
 
 
 async def test_a_checkpoint_that_fails_to_load_exits_1_with_one_line(start_server, model_dir, tmp_path, caplog):

@@ -219,7 +219,7 @@ class LLMEngine:
         if len(prompt) >= self.max_model_len:  # no room for one token, whatever max_tokens says
             raise InvalidRequest("prompt", f"{len(prompt)} tokens leave no room to generate within the context "
                                  f"length {self.max_model_len}")
-        if len(prompt) + params.max_tokens > self.max_model_len:
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(
                 "max_tokens", f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length {self.max_model_len}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class InvalidRequest(ValueError):
@@ -14,9 +14,14 @@ class InvalidRequest(ValueError):
         self.field = field_name
 
 
+DEFAULT_MAX_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    # None: DEFAULT_MAX_TOKENS, or fewer where the context ends first (the request then finishes
+    # with "length" at the context's end, as vLLM's does). One that is set must fit the context.
+    max_tokens: int | None = None
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
@@ -28,7 +33,7 @@ class SamplingParams:
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequest("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not 0 <= self.temperature < math.inf:
             raise InvalidRequest("temperature", f"must be a number >= 0, got {self.temperature}")
@@ -45,6 +50,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def within(self, room: int) -> SamplingParams:
+        """These params with max_tokens resolved for a prompt that leaves `room` tokens of context."""
+        return self if self.max_tokens is not None else replace(self, max_tokens=min(DEFAULT_MAX_TOKENS, room))
 
 
 @dataclass

@@ -143,6 +143,7 @@ class Scheduler:
             raise InvalidRequest("request_id", f"{seq.request_id!r} is not a new request")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting={self.config.max_waiting})")
+        seq.params = seq.params.within(self.config.max_model_len - seq.num_prompt_tokens)  # an unset max_tokens
         self.waiting.append(seq)
         self._seqs[seq.request_id] = seq
 
