@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.sampling_params import InvalidRequest, SamplingParams
+from tandem.engine.sampling_params import DuplicateRequest, InvalidRequest, SamplingParams
 from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.kv.block_manager import CPU, DEVICE, KVBlockManager
@@ -437,7 +437,7 @@ def test_bad_configuration_and_requests_raise_clear_errors():
     with pytest.raises(InvalidRequest, match="max_model_len"):
         sched.add(seq("long", 8))
     sched.add(seq("a", 3))
-    with pytest.raises(InvalidRequest, match="already in use"):
+    with pytest.raises(DuplicateRequest, match="already running"):
         sched.add(seq("a", 3))
     sched.add(seq("b", 3))
     with pytest.raises(QueueFull):

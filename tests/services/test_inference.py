@@ -258,6 +258,68 @@ async def test_a_dead_serving_loop_fails_its_requests_and_the_liveness_check(sta
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "serving loop stopped" in err.value.details()
 
 
+async def test_an_engine_step_that_raises_fails_its_requests_and_frees_their_kv_in_the_gauges(
+        start_server, model_dir, monkeypatch):
+    from tandem.engine.llm_engine import LLMEngine
+
+    server = await start_server(model=str(model_dir("mixtral")), metrics_port=0)
+    step, calls = LLMEngine.step, []
+
+    def failing_third_step(self, *args, **kwargs):  # a bug in the engine, past the forward pass's own handling
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("scheduler bug")
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "step", failing_third_step)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(server.address, greedy(PROMPTS[0], max_tokens=20))
+    assert err.value.code() == grpc.StatusCode.INTERNAL and "scheduler bug" in err.value.details()
+    metrics = scrape(server.metrics_port)
+    assert metrics[(contract.KV_BLOCKS_USED, (("tier", "device"),))] == 0
+    assert metrics[(contract.RUNNING_REQUESTS, ())] == 0
+
+
+async def test_a_request_id_already_running_is_already_exists(start_server, model_dir):
+    server = await start_server(model=str(model_dir("mixtral")), metrics_port=0)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        first = stub.Generate(inference_pb2.GenerateRequest(
+            prompt_token_ids=[5, 6], request_id="job-1", sampling=inference_pb2.SamplingParams(
+                max_tokens=200, temperature=0.0, ignore_eos=True)))
+        await first.read()  # running
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await read_rest(stub.Generate(inference_pb2.GenerateRequest(prompt_token_ids=[7], request_id="job-1")))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "'job-1' is already running" in err.value.details()
+        first.cancel()
+    metrics = scrape(server.metrics_port)
+    assert metrics[(contract.REQUESTS + "_total", (("outcome", "invalid_argument"),))] == 1
+
+
+async def test_a_request_gone_before_it_was_admitted_counts_as_cancelled(start_server, model_dir, monkeypatch):
+    import threading
+
+    from tandem.engine.llm_engine import LLMEngine
+
+    server = await start_server(model=str(model_dir("mixtral")), metrics_port=0)
+    encoding, release, encode = threading.Event(), threading.Event(), LLMEngine.encode
+
+    def slow_encode(self, text):  # a long text, still being tokenized when the client goes
+        encoding.set()
+        release.wait(30)
+        return encode(self, text)
+
+    monkeypatch.setattr(LLMEngine, "encode", slow_encode)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(inference_pb2.GenerateRequest(prompt="hello"))
+        await asyncio.to_thread(encoding.wait, 30)
+        call.cancel()
+        cancelled = (contract.REQUESTS + "_total", (("outcome", "cancelled"),))
+        await eventually(lambda: scrape(server.metrics_port), lambda m: m.get(cancelled) == 1)
+    release.set()
+
+
 def list_services(address: str) -> list[str]:
     # The reflection client is synchronous: run it off the event loop the server runs on.
     with grpc.insecure_channel(address) as channel:

@@ -16,7 +16,7 @@ import torch
 from tandem.engine import cuda_graph
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.sampling_params import InvalidRequest, RequestOutput, SamplingParams
+from tandem.engine.sampling_params import DuplicateRequest, InvalidRequest, RequestOutput, SamplingParams
 from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.engine.sequence import Sequence
 from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
@@ -209,7 +209,7 @@ class LLMEngine:
         if len(request_id) > MAX_REQUEST_ID:  # it is echoed in every streamed message
             raise InvalidRequest("request_id", f"must be at most {MAX_REQUEST_ID} characters, got {len(request_id)}")
         if request_id in self.requests:
-            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+            raise DuplicateRequest(request_id)
         if len(prompt) == 0:
             raise InvalidRequest("prompt", "must not be empty")
         vocab = self.model_config.vocab_size

@@ -17,6 +17,13 @@ class InvalidRequest(ValueError):
 DEFAULT_MAX_TOKENS = 16
 
 
+class DuplicateRequest(InvalidRequest):
+    """A request_id already in flight (gRPC: ALREADY_EXISTS)."""
+
+    def __init__(self, request_id: str):
+        super().__init__("request_id", f"{request_id!r} is already running")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     # None: DEFAULT_MAX_TOKENS, or fewer where the context ends first (the request then finishes

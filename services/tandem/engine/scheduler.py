@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tandem.engine.sampling_params import InvalidRequest
+from tandem.engine.sampling_params import DuplicateRequest, InvalidRequest
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.kv.block_manager import CPU, DEVICE, KVBlockManager
 
@@ -135,7 +135,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new request. Raises InvalidRequest for requests that can never run, QueueFull when full."""
         if seq.request_id in self._seqs:
-            raise InvalidRequest("request_id", f"{seq.request_id!r} is already in use")
+            raise DuplicateRequest(seq.request_id)
         if seq.num_prompt_tokens >= self.config.max_model_len:
             raise InvalidRequest("prompt", f"{seq.num_prompt_tokens} tokens leave no room to generate "
                                            f"within max_model_len={self.config.max_model_len}")

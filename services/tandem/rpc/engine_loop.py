@@ -101,9 +101,10 @@ class EngineLoop:
         Raises InvalidRequest, QueueFull or ServerUnavailable without admitting it.
         """
         loop = asyncio.get_running_loop()
+        received = time.perf_counter()  # time to first token counts the tokenizing too
         if isinstance(prompt, str):  # in a worker thread, not the loop's: a long text takes a while
             prompt = await asyncio.to_thread(self.engine.encode, prompt)
-        stream = _Stream(asyncio.Queue(), loop, time.perf_counter())
+        stream = _Stream(asyncio.Queue(), loop, received)
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._call(lambda: self._add(request_id, prompt, params, stream, done), done)
         try:
@@ -312,6 +313,7 @@ class EngineLoop:
             self.engine.abort_request(request_id)
             self.metrics.record_outcome("error")
             stream.put(exc)
+        self.metrics.record_engine_stats(self.engine.stats())  # their blocks are free now
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from tandem.engine.llm_engine import QueueFull
-from tandem.engine.sampling_params import InvalidRequest
+from tandem.engine.sampling_params import DuplicateRequest, InvalidRequest
 from tandem.experts.base import ExpertsUnavailable
 
 
@@ -19,6 +19,8 @@ class NoTokenizer(RuntimeError):
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message to answer a request that failed with `exc`."""
+    if isinstance(exc, DuplicateRequest):  # a retry can tell it from a malformed request
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, QueueFull):
@@ -32,6 +34,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 OUTCOME_OF_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+    grpc.StatusCode.ALREADY_EXISTS: "invalid_argument",
     grpc.StatusCode.FAILED_PRECONDITION: "invalid_argument",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
     grpc.StatusCode.UNAVAILABLE: "unavailable",

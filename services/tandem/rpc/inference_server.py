@@ -74,6 +74,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             params = sampling_params_from_proto(request.sampling)
             request_id = request.request_id or uuid.uuid4().hex
             queue = await loop.submit(request_id, prompt, params)
+        except asyncio.CancelledError:  # gone before it was admitted (deadline, disconnect)
+            self.metrics.record_outcome("cancelled")
+            raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
             code, message = status_of(exc)
             self.metrics.record_outcome(outcome_of(code))
