@@ -147,6 +147,26 @@ def sampling_from_args(args):
         raise UsageError(str(e)) from None
 
 
+def flags_given(args, actions: list[argparse.Action]) -> list[str]:
+    """The flags among `actions` given a value other than their default."""
+    return [a.option_strings[0] for a in actions if getattr(args, a.dest) != a.default]
+
+
+def checked_context(model: str, config) -> int:
+    """The engine's context length for `model` under `config` (an EngineConfig), from the
+    checkpoint's config.json alone: a checkpoint that cannot load, or a --max-model-len beyond the
+    model's context, is a UsageError before anything is loaded or started."""
+    from tandem.engine.llm_engine import context_length
+    from tandem.model.config import ModelError, load_config
+
+    try:
+        return context_length(load_config(model), config)
+    except ModelError as exc:
+        raise UsageError(f"--model: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("max_model_len", "--max-model-len")) from None
+
+
 def build_engine(args):
     """An engine from the common flags; bad model directories and values become UsageError."""
     from tandem.engine.llm_engine import EngineConfig, LLMEngine
@@ -171,7 +191,7 @@ def cmd_generate(args) -> int:
     if args.server:
         from tandem.rpc.cli_client import run_remote_generate
 
-        given = [a.option_strings[0] for a in args.engine_flags if getattr(args, a.dest) != a.default]
+        given = flags_given(args, args.engine_flags)
         if given:
             raise UsageError(f"{', '.join(given)}: engine flags, for --model; with --server the server's own "
                              f"settings apply")

@@ -206,7 +206,7 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    from tandem.cli import UsageError
+    from tandem.cli import UsageError, flags_given
 
     try:
         concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -214,7 +214,7 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
     if args.prompt_len < 1 or args.gen_len < 2 or args.rounds < 1 or any(c < 1 for c in concurrency):
         raise UsageError("--prompt-len must be >= 1, --gen-len >= 2, --rounds >= 1 and every concurrency >= 1")
-    given = [a.option_strings[0] for a in args.split_flags if getattr(args, a.dest) != a.default]
+    given = flags_given(args, args.split_flags)
     if args.mode != "split" and given:
         raise UsageError(f"{', '.join(given)}: for --mode split")
     check_context(args)  # before the bandwidth, which takes a while
@@ -234,14 +234,10 @@ def cmd_bench(args) -> int:
 
 def check_context(args) -> None:
     """The model loads (its config) and each request fits its context: --prompt-len + --gen-len."""
-    from tandem.cli import UsageError
-    from tandem.engine.llm_engine import EngineConfig, context_length
-    from tandem.model.config import ModelError, load_config
+    from tandem.cli import UsageError, checked_context
+    from tandem.engine.llm_engine import EngineConfig
 
-    try:
-        limit = context_length(load_config(args.model), EngineConfig(max_model_len=args.max_model_len))
-    except ValueError as exc:  # ModelError too
-        raise UsageError(str(exc) if isinstance(exc, ModelError) else f"--max-model-len: {exc}") from None
+    limit = checked_context(args.model, EngineConfig(max_model_len=args.max_model_len))
     if args.prompt_len + args.gen_len > limit:
         raise UsageError(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} is more than the "
                          f"{limit} tokens of the engine's context (--max-model-len)")

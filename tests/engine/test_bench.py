@@ -151,7 +151,7 @@ def test_bench_rejects_zero_rounds(demo_model_dir, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--prompt-len", "4000", "--gen-len", "200"], "--prompt-len 4000 + --gen-len 200 is more than the 4096 tokens"),
     (["--max-model-len", "64", "--prompt-len", "60", "--gen-len", "8"], "is more than the 64 tokens"),
-    (["--max-model-len", "5000"], "--max-model-len: max_model_len 5000 is more than the model's context"),
+    (["--max-model-len", "5000"], "--max-model-len 5000 is more than the model's context"),
     (["--rounds", "3", "--spin-us", "0"], "--rounds, --spin-us: for --mode split"),
 ])
 def test_bench_refuses_what_it_cannot_run_before_measuring_anything(demo_model_dir, capsys, monkeypatch, argv,

@@ -110,36 +110,21 @@ def options_from_args(args):
 
 def run_serve(args) -> int:
     """Runs `tandem serve` until SIGTERM/SIGINT; returns the exit status."""
-    from tandem.cli import UsageError
+    import torch
+
+    from tandem.cli import UsageError, checked_context
     from tandem.rpc.loading import engine_config
     from tandem.rpc.server import serve
 
     try:
         opts = options_from_args(args)
-        engine_config(opts)  # the engine's limits (--max-num-seqs, ...), checked before anything starts
+        config = engine_config(opts)  # the engine's limits (--max-num-seqs, ...), checked before anything starts
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    check_model(opts)
+    checked_context(opts.model, config)  # so is the checkpoint's config, and --max-model-len against it
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available to this process")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve(opts))
 
-
-def check_model(opts) -> None:
-    """What can be checked of --model and --device before the server starts, so that a mistake
-    there is one line and exit code 2, not a failed load after the server came up."""
-    import torch
-
-    from tandem.cli import UsageError
-    from tandem.engine.llm_engine import context_length
-    from tandem.model.config import ModelError, load_config
-    from tandem.rpc.loading import engine_config
-
-    try:
-        context_length(load_config(opts.model), engine_config(opts))
-    except ModelError as exc:
-        raise UsageError(f"--model: {exc}") from None
-    except ValueError as exc:
-        raise UsageError(str(exc).replace("max_model_len", "--max-model-len")) from None
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available to this process")
