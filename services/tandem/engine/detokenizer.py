@@ -14,6 +14,7 @@ from tokenizers.decoders import DecodeStream
 
 CONTEXT_TOKENS = 4  # prompt tokens the stream starts from: enough for any decoder's leading-space rule
 MAX_CHARACTER_TOKENS = 3  # a prompt may end in up to 3 bytes (tokens) of a 4-byte UTF-8 character
+WINDOW = CONTEXT_TOKENS + MAX_CHARACTER_TOKENS  # the last tokens a stream is started from
 
 
 class IncrementalDetokenizer:
@@ -24,8 +25,8 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.text = ""  # all output text decoded so far (before stop truncation)
         self.emitted = 0  # characters already streamed
-        self._prompt_tail = prompt_ids[-(CONTEXT_TOKENS + MAX_CHARACTER_TOKENS):]
-        self._stream = self._new_stream(self._prompt_tail)
+        self._prompt_tail = prompt_ids[-WINDOW:]
+        self._stream = self._new_stream()
         self._undecoded: list[int] = []  # the last tokens, part of a character not yet complete
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
@@ -53,9 +54,9 @@ class IncrementalDetokenizer:
             self._undecoded.clear()
         return self._emit(len(self.text))
 
-    def _new_stream(self, before: list[int]) -> DecodeStream:
-        """A stream that goes on from the tokens `before`: a prompt, or the output so far."""
-        context, partial = _context(self.tokenizer, before[-(CONTEXT_TOKENS + MAX_CHARACTER_TOKENS):])
+    def _new_stream(self) -> DecodeStream:
+        """A stream that goes on from the last tokens so far: the prompt's, then the output's."""
+        context, partial = _context(self.tokenizer, (self._prompt_tail + self.ids[-WINDOW:])[-WINDOW:])
         stream = DecodeStream(ids=context, skip_special_tokens=True)
         if partial:  # it ends inside a character: the text to come begins with the character
             try:
@@ -68,8 +69,7 @@ class IncrementalDetokenizer:
         # Byte-fallback tokens of invalid UTF-8 can decode differently as more arrive, which a
         # DecodeStream refuses (vllm-project/vllm#17448): go on with a new one from here, and if
         # that refuses the token too, with one that has no context.
-        for renew in (lambda: self._stream, lambda: self._new_stream(self._prompt_tail + self.ids),
-                      lambda: DecodeStream(skip_special_tokens=True)):
+        for renew in (lambda: self._stream, self._new_stream, lambda: DecodeStream(skip_special_tokens=True)):
             self._stream = renew()
             try:
                 return self._stream.step(self.tokenizer, token)
