@@ -106,6 +106,15 @@ async def wait_for(check: Callable[[], Any | Awaitable[Any]], timeout: float = 1
     raise AssertionError(f"timed out after {timeout}s waiting for {what or check}: last {last!r}")
 
 
+async def wait_for_phase(cluster: Cluster, name: str, phase: str) -> dict:
+    """The HybridModel `name` once its status.phase is `phase`."""
+    async def reached():
+        model = await cluster.get(model_path(name))
+        return model if (model.get("status") or {}).get("phase") == phase else None
+
+    return await wait_for(reached, what=f"phase {phase}")
+
+
 def hybrid_model(name: str, uid: str | None = None, **spec: Any) -> dict:
     """A HybridModel body with a small valid spec, overridden by `spec`."""
     body_spec = {

@@ -10,7 +10,7 @@ import re
 import kmock
 import kopf
 import pytest
-from hm_cluster import DEPLOYMENT, hybrid_model, model_path, wait_for
+from hm_cluster import DEPLOYMENT, hybrid_model, model_path, wait_for, wait_for_phase
 from test_operator_kmock import condition
 
 from tandem_operator import handlers, kube, reconcile
@@ -94,11 +94,7 @@ async def test_a_name_that_cannot_name_a_service_is_an_invalid_spec(cluster, ope
     # A valid object name (DNS subdomain), but not a DNS-1035 label: the Service would be refused.
     await cluster.create_model(hybrid_model("9lives"))
 
-    async def failed():
-        model = await cluster.get(model_path("9lives"))
-        return model if (model.get("status") or {}).get("phase") == "Failed" else None
-
-    model = await wait_for(failed, what="phase Failed")
+    model = await wait_for_phase(cluster, "9lives", "Failed")
     assert condition(model, "Degraded")["reason"] == "InvalidSpec"
     assert "metadata.name '9lives' must be a DNS-1035 label" in condition(model, "Degraded")["message"]
     assert await cluster.get(DEPLOYMENT("9lives")) is None

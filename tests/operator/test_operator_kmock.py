@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hm_cluster import DEPLOYMENT, NS, PDB, SERVICE, core_path, hybrid_model, model_path, wait_for
+from hm_cluster import DEPLOYMENT, NS, PDB, SERVICE, core_path, hybrid_model, model_path, wait_for, wait_for_phase
 
 from tandem_operator import names
 
@@ -28,11 +28,7 @@ async def test_create_builds_owned_children_and_status(cluster, operator):
     assert set(containers(deployment)) == {"attention", "experts"}
     assert deployment["spec"]["replicas"] == 1
 
-    async def pending_status():
-        model = await cluster.get(model_path("mixtral"))
-        return model if (model.get("status") or {}).get("phase") == "Pending" else None
-
-    model = await wait_for(pending_status, what="status.phase Pending")
+    model = await wait_for_phase(cluster, "mixtral", "Pending")
     status = model["status"]
     assert status["desiredReplicas"] == 1 and status["readyReplicas"] == 0
     assert status["selector"] == f"{names.MODEL_LABEL}=mixtral"
@@ -100,18 +96,14 @@ async def test_status_follows_deployment_and_pods(cluster, operator):
     await cluster.patch(DEPLOYMENT("st") + "/status", {"status": {
         "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "availableReplicas": 2}})
 
-    async def phase(expected):
-        model = await cluster.get(model_path("st"))
-        return model if (model.get("status") or {}).get("phase") == expected else None
-
-    model = await wait_for(lambda: phase("Running"), what="phase Running")
+    model = await wait_for_phase(cluster, "st", "Running")
     assert model["status"]["readyReplicas"] == 2
     assert condition(model, "Ready")["status"] == "True"
     assert condition(model, "Progressing")["reason"] == "Complete"
 
     # A pod that no node fits turns the model Degraded, with the scheduler's reason.
     await cluster.create(core_path("pods"), pod("st-abc", "st", scheduled=False))
-    model = await wait_for(lambda: phase("Degraded"), what="phase Degraded")
+    model = await wait_for_phase(cluster, "st", "Degraded")
     degraded = condition(model, "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "Unschedulable"
     assert "0/3 nodes are available" in degraded["message"]
@@ -122,11 +114,7 @@ async def test_invalid_spec_is_reported_not_applied(cluster, operator):
     body = hybrid_model("bad", replicas=-1)
     await cluster.create_model(body, validate=False)
 
-    async def failed():
-        model = await cluster.get(model_path("bad"))
-        return model if (model.get("status") or {}).get("phase") == "Failed" else None
-
-    model = await wait_for(failed, what="phase Failed")
+    model = await wait_for_phase(cluster, "bad", "Failed")
     assert condition(model, "Degraded")["reason"] == "InvalidSpec"
     assert "spec.replicas" in condition(model, "Degraded")["message"]
     await wait_for(lambda: cluster.events("InvalidSpec"), what="an InvalidSpec event")
