@@ -5,7 +5,9 @@
 #
 #   docker build -f docker/operator.Dockerfile -t tandem-operator:0.1.0 .
 
-ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+# Base images are pinned to a full version, so a rebuild gets the same interpreter; bump them
+# deliberately, and pin a digest for production builds (--build-arg PYTHON_IMAGE=...@sha256:...).
+ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS venv
 RUN python -m venv /opt/operator
@@ -28,6 +30,7 @@ COPY --from=venv /opt/operator /opt/operator
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin tandem
 ENV PATH=/opt/operator/bin:$PATH \
     PYTHONUNBUFFERED=1
+# The chart's operator.podSecurityContext.runAsUser and runAsGroup.
 USER 10001:10001
 # kopf's liveness endpoint (the chart's operator.healthPort).
 EXPOSE 8080

@@ -13,7 +13,9 @@
 # gives the pods is no obstacle; the build stops the image build if it fails, rather than
 # shipping an image whose experts quietly run on torch's slower kernels.
 
-ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+# Base images are pinned to a full version, so a rebuild gets the same interpreter; bump them
+# deliberately, and pin a digest for production builds (--build-arg PYTHON_IMAGE=...@sha256:...).
+ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
 # The CUDA runtime base; its Python (Ubuntu 24.04: 3.12) runs the virtual environment.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 ARG TORCH_VERSION=2.13.0
@@ -64,13 +66,14 @@ FROM ${PYTHON_IMAGE} AS cpu
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libgomp1 \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin tandem
+ && useradd --uid 65532 --user-group --no-create-home --shell /usr/sbin/nologin tandem
 COPY --from=cpu-venv /opt/tandem /opt/tandem
 ENV PATH=/opt/tandem/bin:$PATH \
     TANDEM_EXPERTS_KERNEL_DIR=/opt/tandem/kernels \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1
-USER 10001:10001
+# The user the operator runs the model pods as (tandem_operator.pod.NONROOT_ID).
+USER 65532:65532
 EXPOSE 50051 9400
 ENTRYPOINT ["tandem"]
 CMD ["serve", "--model", "/models", "--listen", "0.0.0.0:50051", "--metrics-port", "9400"]
@@ -80,7 +83,7 @@ FROM ${CUDA_IMAGE} AS cuda
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 libgomp1 \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin tandem
+ && useradd --uid 65532 --user-group --no-create-home --shell /usr/sbin/nologin tandem
 COPY --from=cuda-venv /opt/tandem /opt/tandem
 # Checkpoints come from the mounted volume; never reach for a model hub at run time.
 ENV PATH=/opt/tandem/bin:$PATH \
@@ -89,7 +92,8 @@ ENV PATH=/opt/tandem/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
-USER 10001:10001
+# The user the operator runs the model pods as (tandem_operator.pod.NONROOT_ID).
+USER 65532:65532
 # gRPC (contract.GRPC_PORT) and Prometheus metrics (contract.METRICS_PORT).
 EXPOSE 50051 9400
 ENTRYPOINT ["tandem"]

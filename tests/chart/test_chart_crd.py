@@ -61,3 +61,13 @@ def test_the_name_rule_renders_at_the_root_and_reads_only_the_name(chart):
     assert "self.metadata.name.matches(" in rule["rule"] and "size(self.metadata.name) <= 63" in rule["rule"]
     assert "self.metadata." not in rule["rule"].replace("self.metadata.name", "")
     assert "DNS-1035" in rule["message"]
+
+
+def test_notes_say_what_uninstall_keeps_and_deletes(chart):
+    def notes(values):
+        return chart.render(values, name="tandem", namespace="tandem-system")["tandem/templates/NOTES.txt"]
+    # A user about to uninstall must learn that crds.keep false takes every HybridModel with it.
+    assert "deletes the CRD" in notes({"crds": {"keep": False}})
+    kept = notes({})
+    assert "helm uninstall tandem -n tandem-system" in kept and "CRD and every other HybridModel stay" in kept
+    assert "deletes the CRD" not in kept

@@ -14,9 +14,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 
-from conftest import DOCKER_DIR, REPO
+from conftest import CHART_DIR, DOCKER_DIR, REPO
 
 DOCKERFILES = sorted(DOCKER_DIR.glob("*.Dockerfile"))
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -149,3 +150,41 @@ def operator_distributions() -> set[str]:
     found = {distributions[module][0].lower().replace("_", "-") for module in modules}
     assert "kopf" in found  # the scan itself works
     return found
+
+
+def final_users(path) -> set[str]:
+    """The USER each final stage ends with."""
+    return {[i.split()[1] for i in body if i.upper().startswith("USER ")][-1] for _, body in final_stages(path)}
+
+
+def test_images_run_as_the_user_their_pods_ask_for():
+    # A pod's runAsUser wins over the image's USER; keeping them equal means the image behaves
+    # the same under `docker run` as in the cluster, and files it owns stay its own.
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())["operator"]["podSecurityContext"]
+    assert final_users(DOCKER_DIR / "operator.Dockerfile") == {f"{values['runAsUser']}:{values['runAsGroup']}"}
+    pod = pytest.importorskip("tandem_operator.pod")
+    security = pod.build_pod_security_context()
+    assert final_users(DOCKER_DIR / "tandem.Dockerfile") == {f"{security['runAsUser']}:{security['runAsGroup']}"}
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_base_images_are_pinned_to_a_full_version(path):
+    # "python:3.12-slim" moves under the build; a full X.Y.Z tag (or a digest) does not.
+    defaults = dict(re.findall(r"^ARG (\w+_IMAGE)=(\S+)$", path.read_text(), re.M))
+    bases = {line.split()[1] for line, _ in stages(path)}
+    external = {defaults.get(base[2:-1], base) if base.startswith("${") else base for base in bases}
+    external -= {m.group(1) for line, _ in stages(path) if (m := re.search(r"\sAS\s+(\S+)$", line, re.I))}
+    assert external
+    for image in external:
+        assert re.search(r"@sha256:[0-9a-f]{64}$|:\d+\.\d+\.\d+[^:/]*$", image), image
+
+
+def test_the_root_dockerignore_matches_the_per_dockerfile_ones():
+    # BuildKit reads docker/<name>.Dockerfile.dockerignore; the classic builder and Podman read
+    # only the context's .dockerignore, and without one they send .venv and .git as the context.
+    def patterns(path):
+        return [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    root = patterns(REPO / ".dockerignore")
+    assert root[0] == "*" and ".venv" not in " ".join(root)
+    for path in DOCKERFILES:
+        assert patterns(path.with_name(path.name + ".dockerignore")) == root

@@ -10,11 +10,13 @@ from conftest import NON_DEFAULT_VALUES, by_kind, one, render_objects
 # Read from operator/tandem_operator: kube.get/create/patch and list_labelled calls, the kopf
 # handlers (on.event watches children and pods; kopf's annotations patch the model), kopf.warn/info
 # (Events), status_store (status subresource); `delete` on children because setting owner
-# references asks for it (OwnerReferencesPermissionEnforcement).
+# references asks for it, and `update` on the owner's finalizers because their blockOwnerDeletion
+# does (both by the OwnerReferencesPermissionEnforcement admission plugin).
 CHILD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
 OPERATOR_NEEDS = {
     *{("tandem.dev", "hybridmodels", verb) for verb in ("get", "list", "watch", "patch")},
     ("tandem.dev", "hybridmodels/status", "patch"),
+    ("tandem.dev", "hybridmodels/finalizers", "update"),
     *{("apps", "deployments", verb) for verb in CHILD_VERBS},
     *{("", "services", verb) for verb in CHILD_VERBS},
     *{("policy", "poddisruptionbudgets", verb) for verb in CHILD_VERBS},
@@ -27,6 +29,9 @@ KOPF_CLUSTER_NEEDS = {("apiextensions.k8s.io", "customresourcedefinitions", verb
 KOPF_NAMESPACE_OBSERVER = {("", "namespaces", verb) for verb in ("list", "watch")}
 
 
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
 def grants(role: dict) -> set[tuple[str, str, str]]:
     return {(group, resource, verb)
             for rule in role["rules"]
@@ -35,24 +40,47 @@ def grants(role: dict) -> set[tuple[str, str, str]]:
             for verb in rule["verbs"]}
 
 
+def aggregated(role: dict) -> set[str]:
+    """The built-in roles ("view", "edit", "admin") that `role` adds its rules to."""
+    labels = role["metadata"].get("labels") or {}
+    return {key.removeprefix(AGGREGATE) for key, value in labels.items()
+            if key.startswith(AGGREGATE) and value == "true"}
+
+
+def operator_roles(objects: list[dict]) -> list[dict]:
+    """The (Cluster)Roles the chart binds (to the operator's ServiceAccount)."""
+    bound = {(b["roleRef"]["kind"], b["roleRef"]["name"], b["metadata"].get("namespace"))
+             for b in [*by_kind(objects, "ClusterRoleBinding"), *by_kind(objects, "RoleBinding")]}
+    return [role for role in [*by_kind(objects, "ClusterRole"), *by_kind(objects, "Role")]
+            if (role["kind"], role["metadata"]["name"], role["metadata"].get("namespace")) in bound]
+
+
+def operator_cluster_role(objects: list[dict]) -> dict:
+    (role,) = [role for role in operator_roles(objects) if role["kind"] == "ClusterRole"]
+    return role
+
+
 @pytest.mark.parametrize("values", [{}, NON_DEFAULT_VALUES["namespaced"]], ids=["clusterwide", "namespaced"])
 def test_no_wildcards_and_no_write_beyond_children(chart, values):
-    roles = [*by_kind(render_objects(chart, values), "ClusterRole"), *by_kind(render_objects(chart, values), "Role")]
+    roles = operator_roles(render_objects(chart, values))
     assert roles
+    assert not [role for role in roles if aggregated(role)]
     for role in roles:
         for rule in role["rules"]:
             assert set(rule) == {"apiGroups", "resources", "verbs"}, "no resourceNames/nonResourceURLs"
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field] and all("*" not in item for item in rule[field])
         for group, resource, verb in grants(role):
-            assert verb not in ("deletecollection", "escalate", "bind", "impersonate", "update"), (resource, verb)
+            assert verb not in ("deletecollection", "escalate", "bind", "impersonate"), (resource, verb)
+            # `update` only where no patch will do: the finalizers subresource (see OPERATOR_NEEDS).
+            assert verb != "update" or resource == "hybridmodels/finalizers", (resource, verb)
             assert verb != "delete" or resource in CHILDREN, (resource, verb)
             assert resource not in ("secrets", "configmaps", "nodes", "pods/exec", "pods/proxy")
 
 
 def test_clusterwide_role_grants_exactly_what_is_needed(chart):
     objects = render_objects(chart)
-    role = one(objects, "ClusterRole")
+    role = operator_cluster_role(objects)
     assert grants(role) == OPERATOR_NEEDS | KOPF_CLUSTER_NEEDS
     binding = one(objects, "ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
@@ -65,7 +93,7 @@ def test_clusterwide_role_grants_exactly_what_is_needed(chart):
 
 def test_namespaced_mode_grants_children_only_in_watched_namespaces(chart):
     objects = render_objects(chart, NON_DEFAULT_VALUES["namespaced"])
-    assert grants(one(objects, "ClusterRole")) == KOPF_CLUSTER_NEEDS | KOPF_NAMESPACE_OBSERVER
+    assert grants(operator_cluster_role(objects)) == KOPF_CLUSTER_NEEDS | KOPF_NAMESPACE_OBSERVER
     roles = {role["metadata"]["namespace"]: role for role in by_kind(objects, "Role")}
     assert set(roles) == {"models", "research"}
     for namespace, role in roles.items():
@@ -83,9 +111,46 @@ def test_operator_children_and_watches_are_covered():
     watched = {(group, plural) for group, _, plural in handlers.CHILD_RESOURCES}
     touched = {(r.group, r.plural) for r in kube.BY_KIND.values()}
     granted = {(group, resource) for group, resource, _ in OPERATOR_NEEDS}
-    assert watched | touched | {(kube.HYBRIDMODELS.group, "hybridmodels/status"), ("", "events")} == granted
+    subresources = {(kube.HYBRIDMODELS.group, f"hybridmodels/{sub}") for sub in ("status", "finalizers")}
+    assert watched | touched | subresources | {("", "events")} == granted
+
+
+def test_children_may_block_their_owners_deletion():
+    # The operator's owner references set blockOwnerDeletion; under the OwnerReferencesPermission-
+    # Enforcement admission plugin (on by default in OpenShift) creating such a child needs
+    # `update` on the owner's finalizers subresource, or every create is Forbidden.
+    names = pytest.importorskip("tandem_operator.names")
+    reference = names.owner_reference({"metadata": {"name": "m", "uid": "1"}})
+    assert reference["blockOwnerDeletion"] is True
+    assert (names.GROUP, f"{names.PLURAL}/finalizers", "update") in OPERATOR_NEEDS
 
 
 def test_rbac_can_be_left_out(chart):
     objects = render_objects(chart, {"rbac": {"create": False}})
     assert not [obj for obj in objects if obj["apiVersion"].startswith("rbac.authorization.k8s.io/")]
+
+
+@pytest.mark.parametrize("values", [{}, NON_DEFAULT_VALUES["namespaced"]], ids=["clusterwide", "namespaced"])
+def test_namespace_users_get_hybridmodels_through_the_builtin_roles(chart, values):
+    # Without aggregation only cluster admins could create a HybridModel: namespace users hold
+    # the built-in view/edit/admin ClusterRoles, which pick up the rules of labelled ClusterRoles.
+    objects = render_objects(chart, values)
+    users = [role for role in by_kind(objects, "ClusterRole") if aggregated(role)]
+    by_builtin = {builtin: set().union(*(grants(r) for r in users if builtin in aggregated(r)))
+                  for builtin in ("view", "edit", "admin")}
+    read = {("tandem.dev", resource, verb)
+            for resource in ("hybridmodels", "hybridmodels/status", "hybridmodels/scale")
+            for verb in ("get", "list", "watch")}
+    write = {("tandem.dev", "hybridmodels", verb)
+             for verb in ("create", "update", "patch", "delete", "deletecollection")}
+    scale = {("tandem.dev", "hybridmodels/scale", verb) for verb in ("update", "patch")}
+    assert by_builtin["view"] == read
+    assert by_builtin["edit"] == by_builtin["admin"] == read | write | scale
+    # No one is bound to them directly: they only extend the built-in roles.
+    bindings = [*by_kind(objects, "ClusterRoleBinding"), *by_kind(objects, "RoleBinding")]
+    assert not {b["roleRef"]["name"] for b in bindings} & {r["metadata"]["name"] for r in users}
+
+
+def test_aggregation_can_be_left_out(chart):
+    for values in ({"rbac": {"aggregateClusterRoles": False}}, {"rbac": {"create": False}}):
+        assert not [role for role in by_kind(render_objects(chart, values), "ClusterRole") if aggregated(role)]

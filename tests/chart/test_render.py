@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import urllib.parse
+
 import helm_python
 import pytest
 
@@ -13,8 +16,9 @@ ERROR = 3  # helm lint severity
 def test_default_render_has_the_operator_and_nothing_optional(chart):
     objects = render_objects(chart)
     kinds = sorted(obj["kind"] for obj in objects)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "ServiceAccount"]
+    # The operator's ClusterRole and the two that extend the built-in view and edit roles.
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
+                     "CustomResourceDefinition", "Deployment", "ServiceAccount"]
     for obj in objects:
         labels = obj["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == RELEASE
@@ -38,7 +42,11 @@ def test_operator_deployment_runs_kopf_standalone_clusterwide(chart):
     assert pod["serviceAccountName"] == one(render_objects(chart), "ServiceAccount")["metadata"]["name"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert container["livenessProbe"]["httpGet"]["port"] == "health"
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        # kopf's --liveness endpoint, which serves once the operator has started.
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    assert any(arg == f"--liveness=http://0.0.0.0:{ports['health']}/healthz" for arg in container["args"])
     selector = deployment["spec"]["selector"]["matchLabels"]
     assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
 
@@ -136,3 +144,69 @@ def test_helm_lint_strict_has_no_errors(values, kube_version):
 def test_helm_lint_reports_bad_values():
     report = helm_python.lint(CHART_DIR, {"operator": {"replicas": 2}}, strict=True)
     assert any(msg["severity"] == ERROR and "replicas" in msg["error"] for msg in report["messages"])
+
+
+@pytest.mark.parametrize("values, release", [
+    ({"fullnameOverride": "f" * 63, "serviceMonitor": {"enabled": True}}, RELEASE),
+    ({"nameOverride": "n" * 63, "serviceMonitor": {"enabled": True}}, RELEASE),
+    ({"operator": {"watchNamespaces": ["models"]}, "serviceMonitor": {"enabled": True}}, "r" * 53),
+], ids=["fullnameOverride", "nameOverride", "longest-release"])
+def test_every_name_is_a_dns_label_and_names_stay_distinct(chart, values, release):
+    # Helm allows 53-character release names and the schema 63-character overrides; the suffixes
+    # ("-operator", "-view", ...) must not push a name past 63 or make two names equal.
+    objects = render_objects(chart, values, release=release)
+    seen = set()
+    for obj in objects:
+        meta = obj["metadata"]
+        assert len(meta["name"]) <= 63, (obj["kind"], meta["name"])
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", meta["name"]), meta["name"]
+        key = (obj["kind"], meta.get("namespace"), meta["name"])
+        assert key not in seen, key
+        seen.add(key)
+        for label in meta["labels"].values():
+            assert len(label) <= 63
+    deployment = one(objects, "Deployment")
+    assert deployment["metadata"]["name"].endswith("-operator")
+
+
+@pytest.mark.parametrize("label", ["app.kubernetes.io/name", "app.kubernetes.io/instance",
+                                   "app.kubernetes.io/component"])
+def test_pod_labels_cannot_take_over_the_selector(chart, label):
+    # A podLabels entry with a selector key would replace the chart's value in the pod template
+    # only, and the API server would refuse the Deployment: "selector does not match template labels".
+    with pytest.raises(helm_python.HelmError, match=f"operator.podLabels must not set {label}"):
+        chart.render({"operator": {"podLabels": {label: "mine"}}}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_hybrid_model_must_be_in_a_watched_namespace(chart):
+    spec = NON_DEFAULT_VALUES["everything"]["hybridModel"]["spec"]
+    values = {"operator": {"watchNamespaces": ["models"]}, "hybridModel": {"enabled": True, "spec": spec}}
+    with pytest.raises(helm_python.HelmError, match="operator.watchNamespaces leaves out"):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    objects = render_objects(chart, values, namespace="models")
+    assert one(objects, "HybridModel")["metadata"]["namespace"] == "models"
+
+
+def test_hybrid_model_name_is_a_dns_1035_label(chart):
+    # The CRD rejects names that do not start with a letter; catch that at render time, also for
+    # the release name it defaults to.
+    spec = NON_DEFAULT_VALUES["everything"]["hybridModel"]["spec"]
+    with pytest.raises(helm_python.HelmValuesError, match="name"):
+        chart.validate_schema({"hybridModel": {"enabled": True, "name": "8x7b", "spec": spec}})
+    with pytest.raises(helm_python.HelmError, match="must be a DNS-1035 label"):
+        chart.render({"hybridModel": {"enabled": True, "spec": spec}}, name="8x7b", namespace=NAMESPACE)
+    objects = render_objects(chart, {"hybridModel": {"enabled": True, "name": "m8x7b", "spec": spec}}, release="8x7b")
+    assert one(objects, "HybridModel")["metadata"]["name"] == "m8x7b"
+
+
+@pytest.mark.parametrize("address, host", [("0.0.0.0", "0.0.0.0"), ("::", "::")])
+def test_health_endpoint_can_listen_on_ipv6(chart, address, host):
+    # kopf binds exactly the --liveness host (asyncio makes "::" IPv6-only), and the kubelet
+    # probes the pod's first IP: an IPv6 cluster needs "::", written as a URL wants it, "[::]".
+    kopf_cli = pytest.importorskip("kopf.cli")
+    values = {"operator": {"healthBindAddress": address, "healthPort": 9090}}
+    container = one(render_objects(chart, values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    context = kopf_cli.run.make_context("run", ["--module=tandem_operator", *container["args"]])
+    url = urllib.parse.urlsplit(context.params["liveness_endpoint"])
+    assert (url.hostname, url.port, url.path) == (host, 9090, "/healthz")
+    assert {"name": "health", "containerPort": 9090, "protocol": "TCP"} in container["ports"]

@@ -127,3 +127,23 @@ def test_the_values_comment_check_can_fail():
     text = "# documented\na: 1\nb: 2\n"
     commented = [(path, above.startswith("#")) for _, path, above in value_keys(text)]
     assert commented == [("a", True), ("b", False)]
+
+
+def template_value_paths() -> set[str]:
+    """Every `.Values.a.b` path the templates read."""
+    paths = set()
+    for template in (CHART_DIR / "templates").iterdir():
+        paths.update(re.findall(r"\.Values\.([A-Za-z][\w.]*[\w])", template.read_text()))
+    return paths
+
+
+def test_every_value_the_templates_read_is_a_default_and_in_the_schema():
+    defaults = yaml.safe_load(VALUES_TEXT)
+    paths = template_value_paths()
+    assert "operator.image.pullPolicy" in paths and "rbac.aggregateClusterRoles" in paths
+    for path in sorted(paths):
+        value, schema = defaults, SCHEMA
+        for key in path.split("."):
+            assert isinstance(value, dict) and key in value, f"{path} is not in values.yaml"
+            assert key in schema.get("properties", {}), f"{path} is not in values.schema.json"
+            value, schema = value[key], schema["properties"][key]

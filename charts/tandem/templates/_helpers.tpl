@@ -24,6 +24,24 @@ release name when it already contains the chart name (so "tandem" does not becom
 {{- end }}
 
 {{/*
+"<full name>-<suffix>" for one object, given (list $ "suffix"); at most 63 characters. The full
+name is shortened rather than the suffix, so that objects of one release never share a name.
+*/}}
+{{- define "tandem.componentName" -}}
+{{- $root := index . 0 }}
+{{- $suffix := index . 1 }}
+{{- $prefix := include "tandem.fullname" $root | trunc (int (sub 62 (len $suffix))) | trimSuffix "-" }}
+{{- printf "%s-%s" $prefix $suffix }}
+{{- end }}
+
+{{/*
+The operator's Deployment, and its (Cluster)Roles and bindings.
+*/}}
+{{- define "tandem.operatorName" -}}
+{{- include "tandem.componentName" (list . "operator") }}
+{{- end }}
+
+{{/*
 "<chart>-<version>" for the helm.sh/chart label; "+" is not allowed in label values.
 */}}
 {{- define "tandem.chart" -}}
@@ -55,7 +73,7 @@ The ServiceAccount the operator runs as.
 */}}
 {{- define "tandem.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
-{{- default (printf "%s-operator" (include "tandem.fullname" .)) .Values.serviceAccount.name }}
+{{- default (include "tandem.operatorName" .) .Values.serviceAccount.name }}
 {{- else }}
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
 {{- end }}

@@ -10,7 +10,8 @@ Arguments of `tandem-operator` (which is `kopf run --module=tandem_operator`), o
 - --namespace={{ . }}
 {{- end }}
 {{- end }}
-- --liveness=http://0.0.0.0:{{ .Values.operator.healthPort }}/healthz
+{{- $host := .Values.operator.healthBindAddress | default "0.0.0.0" }}
+- --liveness=http://{{ if contains ":" $host }}[{{ $host }}]{{ else }}{{ $host }}{{ end }}:{{ .Values.operator.healthPort }}/healthz
 - --log-format={{ .Values.operator.logFormat }}
 {{- if eq .Values.operator.logLevel "quiet" }}
 - --quiet

@@ -36,6 +36,12 @@ What the operator does to HybridModels and their children, in the namespaces it 
 - apiGroups: ["tandem.dev"]
   resources: ["hybridmodels/status"]
   verbs: ["patch"]
+# Children's owner references set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement
+# admission plugin (on by default in OpenShift) allows only to whoever may update the owner's
+# finalizers. No finalizer is ever written.
+- apiGroups: ["tandem.dev"]
+  resources: ["hybridmodels/finalizers"]
+  verbs: ["update"]
 # Children: watched for drift, created, and patched back when they drift. The garbage collector
 # deletes them with their HybridModel; `delete` is what the OwnerReferencesPermissionEnforcement
 # admission plugin asks of whoever sets a child's owner references.
@@ -56,4 +62,24 @@ What the operator does to HybridModels and their children, in the namespaces it 
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- end }}
+
+{{/*
+For people, not the operator: what Kubernetes' built-in view and edit/admin roles gain through
+aggregation, so that whoever may edit Deployments in a namespace may also run HybridModels there.
+*/}}
+{{- define "tandem.rbac.viewRules" -}}
+- apiGroups: ["tandem.dev"]
+  resources: ["hybridmodels", "hybridmodels/status", "hybridmodels/scale"]
+  verbs: ["get", "list", "watch"]
+{{- end }}
+
+{{- define "tandem.rbac.editRules" -}}
+- apiGroups: ["tandem.dev"]
+  resources: ["hybridmodels"]
+  verbs: ["create", "update", "patch", "delete", "deletecollection"]
+# `kubectl scale hybridmodel` (the replicas the autoscaler would otherwise set).
+- apiGroups: ["tandem.dev"]
+  resources: ["hybridmodels/scale"]
+  verbs: ["update", "patch"]
 {{- end }}
