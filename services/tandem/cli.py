@@ -116,7 +116,8 @@ def add_dense_quant_arg(p: argparse.ArgumentParser) -> argparse.Action:
 
     return p.add_argument(contract.DENSE_QUANT_FLAG, choices=contract.DENSE_QUANTS,
                           help="weight-only quantization of the dense layers: attention, dense MLPs, shared experts, "
-                               "LM head; routers stay full precision (default none)", default="none")
+                               "LM head; routers stay full precision; int8 runs on the CPU, so --device cpu "
+                               "(default none)", default="none")
 
 
 def cmd_make_demo_model(args) -> int:

@@ -147,6 +147,31 @@ def test_dequantize_handles_partial_edge_blocks():
         dequantize(q, scale[:2], (16, 32))
 
 
+def test_stacked_experts_dequantize_expert_by_expert():
+    # transformers' FP8Experts keeps a layer's experts stacked, [E, N, K] with scales [E, N/bn, K/bk],
+    # named experts.gate_up_proj and experts.gate_up_proj_scale_inv.
+    blocks = [quantize_blocks(torch.randn(40, 70), 16, 32) for _ in range(3)]
+    q, scale = torch.stack([b[0] for b in blocks]), torch.stack([b[1] for b in blocks])  # [3, 40, 70], [3, 3, 3]
+    want = torch.stack([reference_dequantize(qe, se, 16, 32) for qe, se in blocks])
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    out = dict(dequantize_stream([(name, q), (name + "_scale_inv", scale)], (16, 32)))
+    torch.testing.assert_close(out[name], want, rtol=0, atol=0)
+    with pytest.raises(ModelError, match=r"expected \(3, 3, 3\)"):
+        dequantize(q, scale[0], (16, 32))
+
+
+def test_ue8m0_scales_saved_as_bytes_are_powers_of_two():
+    # DeepSeek-V3.1's scale_fmt "ue8m0": scales 2^e, which MXFP8 checkpoints save as the bytes of
+    # float8_e8m0fnu (e + 127); transformers views them as such. Read as numbers they would be 127x off.
+    q, _ = quantize_blocks(torch.randn(40, 70), 16, 32)
+    exponents = torch.tensor([[-9, -8, -7], [-6, 0, 3], [-12, -10, -8]])
+    want = reference_dequantize(q, torch.pow(2.0, exponents.float()), 16, 32)
+    for stored in ((exponents + 127).to(torch.uint8), torch.pow(2.0, exponents.float()).to(torch.float8_e8m0fnu)):
+        torch.testing.assert_close(dequantize(q, stored, (16, 32)), want, rtol=0, atol=0)
+    with pytest.raises(ModelError, match="must be floating point"):
+        dequantize(q, exponents.int(), (16, 32))
+
+
 def test_stream_pairs_weights_and_scales_in_either_order():
     q, scale = quantize_blocks(torch.randn(8, 8), 4, 4)
     expected = reference_dequantize(q, scale, 4, 4)
@@ -172,6 +197,8 @@ def test_stream_rejects_incomplete_checkpoints(items, block, message):
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "e5m2"),
     ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "e4m3"}, "scale_fmt 'e4m3'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}, "expert_dtype 'fp4'"),
 ])
 def test_unsupported_quantization_configs_raise(config, message):
     with pytest.raises(ModelError, match=message):
@@ -180,5 +207,7 @@ def test_unsupported_quantization_configs_raise(config, message):
 
 def test_deepseek_quantization_config_is_read():
     assert fp8_block_size({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}) == (128, 128)
+    assert fp8_block_size({"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",  # DeepSeek-V3.1
                            "weight_block_size": [128, 128]}) == (128, 128)
     assert fp8_block_size(None) is None

@@ -15,8 +15,10 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.experts.base import ExpertWeights
 from tandem.experts.factory import make_expert_executor
-from tandem.experts.gguf_experts import gguf_quant, load_gguf_experts, q4_0_to_int4, q4_k_to_int4
+from tandem.experts.gguf_experts import (gguf_expert_shapes, gguf_files, gguf_quant, load_gguf_experts,
+                                         q4_0_to_int4, q4_k_to_int4)
 from tandem.experts.quant import Int4Weight, Int8Weight, dequantize_int4, dequantize_int8
+from tandem.experts.shared_weights import load_key
 from tandem.experts.torch_executor import TorchExpertExecutor
 from tandem.model.config import ModelError
 
@@ -51,9 +53,10 @@ def reference(blocks: np.ndarray, qtype) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
 
 
-def write_gguf(path, tensors: dict[str, tuple[np.ndarray, object]]):
-    """name -> (data, type): quantized bytes with their type, or float32 weights (type None)."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, object]], split_max_tensors: int = 0):
+    """name -> (data, type): quantized bytes with their type, or float32 weights (type None); with
+    split_max_tensors, split as gguf-split does (PATH-00001-of-0000N.gguf ...)."""
+    writer = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
     for name, (data, qtype) in tensors.items():
         if qtype is None:
             writer.add_tensor(name, data)
@@ -101,9 +104,10 @@ def test_requantized_rows_stay_within_half_a_step_of_q8_0(mixed_file):
 
 
 @pytest.fixture(scope="module")
-def mixed_file(tmp_path_factory):
-    """A GGUF file as llama.cpp's Q4_K_M writes them, and the gguf package's reading of it:
-    layer 0 in Q4_K and Q4_0 (int4), layer 1 Q4_K with ffn_down in Q6_K (int8), layer 2 in Q8_0."""
+def mixed_tensors():
+    """Expert tensors as llama.cpp's Q4_K_M writes them (name -> (bytes, type)), and the gguf
+    package's reading of them: layer 0 in Q4_K and Q4_0 (int4), layer 1 Q4_K with ffn_down in Q6_K
+    (int8), layer 2 in Q8_0."""
     g = torch.Generator().manual_seed(3)
     q4_0 = gguf.quants.quantize((torch.randn(E, I, H, generator=g) / 16).numpy(), T.Q4_0)
     q8_0 = [gguf.quants.quantize((torch.randn(*s, generator=g) / 16).numpy(), T.Q8_0) for s in ((E, I, H),) * 2]
@@ -115,9 +119,15 @@ def mixed_file(tmp_path_factory):
         2: [(b, T.Q8_0) for b in q8_0],
     }
     tensors = {name: t for layer, ts in layers.items() for name, t in zip(expert_names(layer), ts)}
-    path = write_gguf(tmp_path_factory.mktemp("gguf") / "experts.gguf", tensors)
     want = {layer: [reference(data, qtype) for data, qtype in ts] for layer, ts in layers.items()}
-    return path, want
+    return tensors, want
+
+
+@pytest.fixture(scope="module")
+def mixed_file(mixed_tensors, tmp_path_factory):
+    """A GGUF file of `mixed_tensors`, and the gguf package's reading of it."""
+    tensors, want = mixed_tensors
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "experts.gguf", tensors), want
 
 
 def test_each_layer_takes_the_format_its_tensors_share(mixed_file):
@@ -169,6 +179,42 @@ def test_unreadable_and_incomplete_files_are_refused(tmp_path, mixed_file):
     with pytest.raises(ValueError, match="do not form"):
         load_gguf_experts(write_gguf(tmp_path / "shapes.gguf", {
             gate: (q4k, T.Q4_K), up: (q4k, T.Q4_K), expert_names(0)[2]: (wrong_down, T.Q4_K)}))
+
+
+def test_unsupported_tensor_types_are_refused_from_the_index(tmp_path):
+    # Q8_K is an activation type the gguf package cannot dequantize: refused by the check made
+    # before any weight loads (gguf_expert_shapes), naming the tensor and its type.
+    g = torch.Generator().manual_seed(7)
+    q4k = random_blocks(T.Q4_K, E, I, H, g)
+    q8k = torch.randint(0, 256, (E, H, I // 256 * gguf.GGML_QUANT_SIZES[T.Q8_K][1]), generator=g,
+                        dtype=torch.uint8).numpy()
+    gate, up, down = expert_names(0)
+    path = write_gguf(tmp_path / "q8k.gguf", {gate: (q4k, T.Q4_K), up: (q4k, T.Q4_K), down: (q8k, T.Q8_K)})
+    for read in (gguf_expert_shapes, load_gguf_experts):
+        with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight: tensor type Q8_K is not supported"):
+            read(path)
+
+
+def test_a_split_file_is_read_from_all_its_shards(mixed_tensors, mixed_file, tmp_path):
+    # Large GGUF models come split by gguf-split (DeepSeek-R1 Q4_K_M: 9 files); the first shard
+    # names them all. Here 9 expert tensors (and a norm) in 4 files of up to 3 tensors.
+    tensors, _ = mixed_tensors
+    write_gguf(tmp_path / "experts.gguf", tensors, split_max_tensors=3)
+    shards = [tmp_path / f"experts-{i:05d}-of-00004.gguf" for i in range(1, 5)]
+    assert gguf_files(shards[0]) == shards and all(p.is_file() for p in shards)
+    whole, split = load_gguf_experts(mixed_file[0]), load_gguf_experts(shards[0])
+    assert gguf_expert_shapes(shards[0]) == gguf_expert_shapes(mixed_file[0]) and sorted(split) == [0, 1, 2]
+    for layer, w in whole.items():
+        deq = dequantize_int4 if isinstance(w.gate_up, Int4Weight) else dequantize_int8
+        assert torch.equal(deq(split[layer].gate_up), deq(w.gate_up)) and torch.equal(deq(split[layer].down),
+                                                                                      deq(w.down))
+    # A restart's stored weights are keyed by every shard (tandem.experts.shared_weights).
+    assert [f[0] for f in load_key(tmp_path, "float32", "none", shards[0])["files"]] == [str(p) for p in shards]
+    with pytest.raises(ValueError, match="split in 4: name its first shard, PREFIX-00001-of-00004.gguf"):
+        gguf_expert_shapes(shards[1])
+    shards[2].unlink()
+    with pytest.raises(ValueError, match="experts-00003-of-00004.gguf is not a file"):
+        load_gguf_experts(shards[0])
 
 
 def test_quantized_weights_need_one_format_and_a_quantizing_executor(mixed_file):

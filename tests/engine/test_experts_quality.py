@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
@@ -58,6 +59,38 @@ def teacher_forced_agreement(reference: LLMEngine, candidate: LLMEngine, prompts
 def test_quantized_greedy_tokens_agree_with_unquantized(model_dir, quant, min_agreement):
     agreement = teacher_forced_agreement(engine(model_dir, "none"), engine(model_dir, quant))
     assert agreement >= min_agreement, f"{quant}: {agreement:.0%} of {len(PROMPTS) * GEN} positions agree"
+
+
+def transformers_logits(model_dir, prompts=PROMPTS, gen: int = GEN) -> tuple[list[list[int]], torch.Tensor]:
+    """transformers' own greedy continuations of `prompts` and its logits at each of their positions."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    tokens, logits = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=gen, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+            tokens.append(out.sequences[0, len(prompt):].tolist())
+            logits.append(torch.stack([step[0] for step in out.logits]))  # [gen, V]
+    return tokens, torch.cat(logits)  # [prompts * gen, V]
+
+
+def test_int8_experts_against_transformers_tokens_and_logits(demo_model_dir):
+    # The issue's bar against transformers itself, with teacher forcing: the same greedy tokens and
+    # logits within 0.5% of its own (relative norm over every position) on the default demo Mixtral,
+    # whose margins int8 cannot flip (the wide model above flips routing: ~11% logits error there).
+    # Measured: int8 0.13%, int4 2.4%, an int8 quantizer whose codes are 3% small 1.9%.
+    path = demo_model_dir("mixtral")
+    want_tokens, want_logits = transformers_logits(path)
+    eng = engine(path, "int8")
+    logits = {}
+    eng.runner.logits_hook = lambda rid, row: logits.setdefault(rid, row.clone())
+    forced = [p + ref[:i] for p, ref in zip(PROMPTS, want_tokens) for i in range(GEN)]
+    done = eng.generate(forced, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    got = torch.stack([logits[c.request_id] for c in done])  # [prompts * GEN, V]
+    agree = sum(c.token_ids[0] == t for c, t in zip(done, (t for ref in want_tokens for t in ref))) / len(done)
+    err = ((got - want_logits).norm() / want_logits.norm()).item()
+    assert agree >= 0.95 and 0 < err < 5e-3, (agree, err)
 
 
 def test_int8_expert_outputs_on_real_checkpoint_weights_are_close(model_dir):

@@ -157,7 +157,8 @@ def test_compute_logits_takes_the_native_head_for_decode_batches(demo_model_dir,
         logits = model.compute_logits(hidden)
         assert logits.shape == (rows, weight.shape[0]) and logits.dtype == torch.float32
         # int8: against its own dequantized weight, where only the activations' Q8 rounding differs
-        torch.testing.assert_close(logits, F.linear(hidden, weight), rtol=0, atol=0.02 if dense_quant == "int8" else 1e-5)
+        atol = 0.02 if dense_quant == "int8" else 1e-5
+        torch.testing.assert_close(logits, F.linear(hidden, weight), rtol=0, atol=atol)
         assert calls == ([] if rows == 40 else [native.KIND_INT8 if dense_quant == "int8" else native.KIND_F32])
 
 
@@ -174,6 +175,18 @@ def test_the_loader_quantizes_when_asked(demo_model_dir):
     assert isinstance(model.lm_head, Int8Linear)
     model, _ = load_model(path, device="cpu")
     assert type(model.lm_head) is nn.Linear
+    with pytest.raises(ValueError, match="unknown dense quantization 'fp4'"):
+        load_model(path, device="cpu", dense_quant="fp4")
+
+
+def test_bad_modes_and_devices_are_refused_before_any_weight_loads(demo_model_dir, monkeypatch):
+    # The int8 kernel is a CPU one: on a GPU the model would load whole and then fail.
+    from tandem.model import loader
+
+    monkeypatch.setattr(loader, "checkpoint_tensors", lambda *a, **kw: pytest.fail("weights were read"))
+    path = demo_model_dir("mixtral")
+    with pytest.raises(ValueError, match="dense quantization int8 runs on the CPU's int8 kernel, not on cuda"):
+        load_model(path, device="cuda", dense_quant="int8")
     with pytest.raises(ValueError, match="unknown dense quantization 'fp4'"):
         load_model(path, device="cpu", dense_quant="fp4")
 

@@ -14,14 +14,16 @@ executor's kernels can hold:
   scale d and min -8d, exactly. Q4_K's 256-weight super-block has 8 sub-blocks of 32 with 6-bit
   scales and minimums under two fp16 factors, w = d sc_j q - dmin m_j: each sub-block's scale
   d sc_j and minimum -dmin m_j are rounded to fp16 (a relative error of at most 2^-11 on
-  each; llama.cpp computes them in float32).
+  each, an absolute one of 2^-25 below fp16's normal range; llama.cpp computes them in float32).
 - Any other layer becomes int8 with a scale per row: every tensor of the layer is dequantized by
   the gguf package's reference code and requantized to its row's largest |w| / 127 (`quantize_int8`).
   For Q8_0 that adds at most half a step to the file's own rounding; a layer in another type, or
   whose three tensors do not share Q4_0/Q4_K (Q4_K_M keeps some layers' ffn_down_exps in Q6_K),
   keeps more precision than a 6-bit type has rather than dropping to 4 bits, and reads more bytes.
 
-A tensor's float32 copy exists only while it is converted.
+A tensor's float32 copy exists only while it is converted. A model split by llama.cpp's gguf-split
+(PREFIX-00001-of-0000N.gguf, as large models are published) is named by its first shard and read
+from all N.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tandem.experts.quant import Int4Weight, Int8Weight, pack_int4, quantize_int
 _log = logging.getLogger(__name__)
 
 _EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_SHARD_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # gguf-split's (and llama.cpp's) shard names
 _PROJS = ("gate", "up", "down")
 _Q4_0_BYTES = 18  # 32 weights: an fp16 d and 16 bytes of codes
 _Q4_K_BYTES, _Q4_K_WEIGHTS = 144, 256  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 of codes
@@ -60,24 +63,73 @@ def gguf_expert_shapes(path: str | Path) -> dict[int, dict[str, tuple[int, ...]]
             for layer, tensors in _expert_tensors(path).items()}
 
 
-def _expert_tensors(path: str | Path) -> dict[int, dict[str, object]]:
-    """layer -> {"gate", "up", "down": the reader's tensor} of the routed experts in `path`."""
-    import gguf
-
+def gguf_files(path: str | Path) -> list[Path]:
+    """The files a GGUF model is read from: `path`, or all N shards when it is the first of a split
+    model (PREFIX-00001-of-0000N.gguf)."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path} is not a file")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError... on a bad file
-        raise ValueError(f"{path} is not a GGUF file gguf can read: {exc}") from None
+    m = _SHARD_NAME.fullmatch(path.name)
+    if m is None or int(m[2]) != 1:
+        return [path]
+    count = int(m[3])
+    return [path.with_name(f"{m[1]}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _expert_tensors(path: str | Path) -> dict[int, dict[str, object]]:
+    """layer -> {"gate", "up", "down": the reader's tensor} of the routed experts in `path` (all its
+    shards), each of a type this module can convert."""
     found: dict[int, dict[str, object]] = {}
-    for tensor in reader.tensors:
-        if m := _EXPERT_TENSOR.match(tensor.name):
-            found.setdefault(int(m[1]), {})[m[2]] = tensor
+    for reader in _readers(Path(path)):
+        for tensor in reader.tensors:
+            if m := _EXPERT_TENSOR.match(tensor.name):
+                _check_type(tensor)
+                if m[2] in found.setdefault(int(m[1]), {}):
+                    raise ValueError(f"{path}: {tensor.name} is in more than one shard")
+                found[int(m[1])][m[2]] = tensor
     if not found:
         raise ValueError(f"{path} has no routed-expert tensors (blk.N.ffn_gate_exps.weight ...)")
     return found
+
+
+def _readers(path: Path) -> list:
+    """A GGUF reader for each file of the model at `path` (see gguf_files)."""
+    import gguf
+
+    files = gguf_files(path)
+    readers = [_reader(files[0])]
+    field = readers[0].get_field(gguf.Keys.Split.LLM_KV_SPLIT_COUNT)
+    count = 1 if field is None else int(field.contents())
+    if count != len(files):
+        if count > 1:
+            raise ValueError(f"{path} is a shard of a GGUF model split in {count}: name its first shard, "
+                             f"PREFIX-00001-of-{count:05d}.gguf")
+        raise ValueError(f"{path} is named as the first of {len(files)} shards but is a whole GGUF file")
+    return readers + [_reader(f) for f in files[1:]]
+
+
+def _reader(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError... on a bad file
+        raise ValueError(f"{path} is not a GGUF file gguf can read: {exc}") from None
+
+
+def _check_type(tensor) -> None:
+    """Refuse, before anything loads, a tensor type that is neither int4's (Q4_0, Q4_K) nor one the
+    gguf package can dequantize (one block of zeros tells)."""
+    import gguf
+
+    qtype = tensor.tensor_type
+    if qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_K):
+        return
+    try:
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        raise ValueError(f"{tensor.name}: tensor type {qtype.name} is not supported (Q4_0 and Q4_K load as int4, "
+                         "any other type the gguf package can dequantize as int8 rows)") from None
 
 
 def gguf_quant(layers: dict[int, ExpertWeights]) -> str:

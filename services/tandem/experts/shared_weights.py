@@ -38,6 +38,7 @@ from tandem import __version__
 from tandem.experts.base import ExpertsUnavailable, ExpertWeights
 from tandem.experts import device_prefill
 from tandem.experts.device_prefill import DevicePrefill
+from tandem.experts.gguf_experts import gguf_files
 from tandem.experts.quant import FORMATS, Stored, from_parts, stored_format, stored_parts
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ def lock_path(path: str | Path) -> Path:
 def load_key(model_dir: str | Path, dtype: str, quant: str, experts_gguf: str | Path | None = None) -> dict:
     """What the stored weights are made from: the files they are read from (name, size, mtime),
     the dtype and quantization asked for, and this code's version."""
-    sources = [Path(experts_gguf)] if experts_gguf else sorted(p for p in Path(model_dir).iterdir() if p.is_file())
+    sources = gguf_files(experts_gguf) if experts_gguf else sorted(Path(model_dir).iterdir())
+    sources = [p for p in sources if p.is_file()]  # a missing GGUF shard fails the load, by name
     return {
         "tandem": __version__, "format": FORMAT_VERSION, "model": str(Path(model_dir).resolve()),
         "dtype": str(dtype), "quant": quant,

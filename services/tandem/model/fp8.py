@@ -4,6 +4,8 @@ Such a checkpoint stores each quantized linear weight `X.weight` as float8_e4m3f
 `X.weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)]: one scale per bn x bk block, by which the
 block is multiplied to recover the weight. The config says so in `quantization_config`:
 {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bn, bk]}.
+DeepSeek-V3.1 adds "scale_fmt": "ue8m0": its scales are powers of two, stored as float32, or (as
+transformers reads MXFP8 checkpoints) as the bytes of float8_e8m0fnu, 2^(byte - 127).
 Unquantized tensors (embeddings, norms, the router, the LM head) pass through untouched.
 """
 
@@ -30,6 +32,12 @@ def fp8_block_size(quantization_config) -> tuple[int, int] | None:
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ModelError(f"fp8 format {fmt!r} is not supported; supported: 'e4m3'")
+    scale_fmt = q.get("scale_fmt") or "float"
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ModelError(f"fp8 scale_fmt {scale_fmt!r} is not supported; supported: 'float', 'ue8m0'")
+    expert_dtype = q.get("expert_dtype") or "fp8"
+    if expert_dtype != "fp8":  # DeepSeek-V4's experts: fp4 packed in int8, which this module does not unpack
+        raise ModelError(f"fp8 checkpoints with expert_dtype {expert_dtype!r} are not supported; supported: 'fp8'")
     # Activation scales (activation_scheme "static") are not needed: weights are served dequantized.
     block = q.get("weight_block_size")
     if (not isinstance(block, (list, tuple)) or len(block) != 2
@@ -39,16 +47,27 @@ def fp8_block_size(quantization_config) -> tuple[int, int] | None:
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """weight fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]."""
-    if weight.dim() != 2:
-        raise ModelError(f"fp8 weight must be 2-D, got shape {tuple(weight.shape)}")
-    (n, k), (bn, bk) = weight.shape, block
-    expected = (-(-n // bn), -(-k // bk))
+    """weight fp8 [..., N, K], scale_inv [..., ceil(N/bn), ceil(K/bk)] -> float32 [..., N, K] (the
+    leading dims: experts stacked as transformers' FP8Experts saves them, `experts.gate_up_proj_scale_inv`)."""
+    if weight.dim() not in (2, 3):
+        raise ModelError(f"fp8 weight must be [N, K] or stacked [E, N, K], got shape {tuple(weight.shape)}")
+    (n, k), (bn, bk) = weight.shape[-2:], block
+    expected = (*weight.shape[:-2], -(-n // bn), -(-k // bk))
     if tuple(scale_inv.shape) != expected:
-        raise ModelError(f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight {(n, k)} "
-                         f"in {bn}x{bk} blocks: expected {expected}")
-    scale = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]  # [N, K]
-    return weight.float() * scale  # [N, K]
+        raise ModelError(f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight "
+                         f"{tuple(weight.shape)} in {bn}x{bk} blocks: expected {expected}")
+    scale = _scales(scale_inv).repeat_interleave(bn, dim=-2)[..., :n, :]  # [..., N, K/bk]
+    scale = scale.repeat_interleave(bk, dim=-1)[..., :k]  # [..., N, K]
+    return weight.float() * scale  # [..., N, K]
+
+
+def _scales(scale_inv: torch.Tensor) -> torch.Tensor:
+    """Block scales as float32: float tensors as they are, bytes as UE8M0 (the one byte format of them)."""
+    if scale_inv.dtype == torch.uint8:
+        return scale_inv.view(torch.float8_e8m0fnu).float()
+    if not scale_inv.is_floating_point():
+        raise ModelError(f"weight_scale_inv must be floating point (or UE8M0 bytes), got {scale_inv.dtype}")
+    return scale_inv.float()
 
 
 def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]],

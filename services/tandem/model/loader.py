@@ -23,7 +23,7 @@ from tandem.model.config import ModelConfig, ModelError, load_config, read_json
 from tandem.model.fp8 import SCALE_SUFFIX, dequantize_stream
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.model import CausalLM
-from tandem.model.quant_linear import quantize_dense_
+from tandem.model.quant_linear import check_dense_quant, quantize_dense_
 
 _log = logging.getLogger(__name__)
 
@@ -255,6 +255,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     cfg = load_config(model_dir)
     dtype = _weights_dtype(cfg, dtype)
     device = torch.device(device)
+    check_dense_quant(dense_quant, device)  # before any weight loads
     if experts_gguf is not None and executor is None:
         _check_gguf(cfg, expert_quant, experts_gguf)
     collector = None

@@ -41,9 +41,13 @@ _TENSOR_METADATA = {
 }
 
 
-def check_dense_quant(mode: str) -> None:
+def check_dense_quant(mode: str, device: torch.device | str = "cpu") -> None:
+    """Refuse an unknown mode, or int8 for a model on another device than the CPU (its kernel's)."""
     if mode not in DENSE_QUANTS:
         raise ValueError(f"unknown dense quantization {mode!r}; choose one of {DENSE_QUANTS}")
+    if mode != "none" and torch.device(device).type != "cpu":
+        raise ValueError(f"dense quantization {mode} runs on the CPU's int8 kernel, not on {torch.device(device)}: "
+                         "use --device cpu, or leave the dense layers unquantized")
 
 
 class Int8RowWeight(torch.Tensor):
