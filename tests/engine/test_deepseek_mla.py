@@ -63,6 +63,19 @@ def test_mixed_step_routes_decodes_and_prefills_to_the_same_result():
         torch.testing.assert_close(out, mixed[rows], rtol=1e-5, atol=1e-5)
 
 
+def test_slots_past_a_sequence_end_stay_out_of_both_forms():
+    """Unwritten slots hold what earlier requests left there, a NaN among them: no form may read them."""
+    starts, lens, tables = [5, 2, 7], [1, 3, 1], [[3, 1], [0, 5], [12, 2]]
+    q_nope, q_pe, cache, meta, kv_b = random_batch(3, starts, lens, tables)
+    whole = AttentionMetadata.build([0] * 3, [s + n for s, n in zip(starts, lens)], tables, BLOCK, torch.device("cpu"))
+    dirty = torch.full_like(cache, float("nan")).view(-1, DIMS.latent_dim)  # [slots, latent]
+    dirty[whole.slot_mapping] = cache.view(-1, DIMS.latent_dim)[whole.slot_mapping]
+    dirty = dirty.view_as(cache)
+    for form in (expanded_attention, paged_latent_attention):
+        clean = form(q_nope, q_pe, cache, meta, kv_b, DIMS)
+        torch.testing.assert_close(form(q_nope, q_pe, dirty, meta, kv_b, DIMS), clean, rtol=0, atol=0)
+
+
 def test_attention_reads_cpu_tier_blocks_after_swap():
     layout = KVLayout(((LATENT, (DIMS.latent_dim,)),), num_layers=2, dtype=torch.float32)
     cache = KVCache(layout, BLOCK, num_device_blocks=8, num_cpu_blocks=8, device="cpu")

@@ -61,11 +61,45 @@ def test_sequences_outgrowing_the_device_tier_decode_on_the_cpu_tier(model_dir):
     assert stats.kv_blocks_used == {DEVICE: 0, CPU: 0} and stats.num_offloaded == 0
 
 
+def test_bytes_left_in_free_slots_never_reach_the_tokens(model_dir):
+    """Slots a sequence has not written hold what was there before (another request's KV, a NaN it
+    computed, an earlier run's bytes in a reused shared-memory tier): none of it may change a token."""
+    reference = [c.token_ids for c in engine(model_dir).generate(prompts(4), GREEDY)]
+    small = engine(model_dir, block_size=4, num_device_blocks=8, num_cpu_blocks=64, max_model_len=64,
+                   max_num_batched_tokens=16)  # chunks, partial blocks and both tiers
+    for tensors in small.cache.tiers.values():
+        for tensor in tensors.values():
+            tensor.fill_(float("nan"))
+    swaps, cpu_tokens = count_tier_traffic(small)
+    assert [c.token_ids for c in small.generate(prompts(4), GREEDY)] == reference
+    assert swaps["out"] and cpu_tokens[0]
+
+
 def test_without_cpu_decode_the_device_tier_must_hold_a_whole_sequence(model_dir):
     with pytest.raises(ValueError, match="device KV tier holds 32 tokens, fewer than max_model_len=64"):
         engine(model_dir, block_size=4, num_device_blocks=8, num_cpu_blocks=64, max_model_len=64, cpu_decode=False)
     with pytest.raises(ValueError, match="device KV tier holds 32 tokens and the CPU tier 16"):
         engine(model_dir, block_size=4, num_device_blocks=8, num_cpu_blocks=4, max_model_len=64)
+
+
+def test_tiers_too_small_are_refused_naming_their_settings_and_leave_no_files(model_dir, tmp_path):
+    shm = tmp_path / "shm" / "kv"
+    with pytest.raises(ValueError, match=r"fewer than max_model_len=64; .* \(device tier: 8 blocks of 4 tokens from "
+                                         r"num_device_blocks .*; CPU tier: 4 blocks from num_cpu_blocks"):
+        engine(model_dir, block_size=4, num_device_blocks=8, num_cpu_blocks=4, max_model_len=64, kv_shm_path=str(shm))
+    assert list(shm.parent.glob("*")) == []  # refused before its CPU tier's files were made
+    with pytest.raises(ValueError, match=r"CPU tier: 0 blocks from cpu_kv_gib=0.0 \(--cpu-kv-gib\)"):
+        engine(model_dir, block_size=4, num_device_blocks=8, cpu_kv_gib=0.0, max_model_len=64)
+    with pytest.raises(ValueError, match=r"no room for a single KV block .* 0 blocks of 16 tokens from "
+                                         r"device_kv_gib=1e-09"):
+        engine(model_dir, device_kv_gib=1e-9)
+    for field, value in (("num_device_blocks", 0), ("num_cpu_blocks", -1)):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: value})
+    e = engine(model_dir, block_size=4, num_device_blocks=16, num_cpu_blocks=4, max_model_len=64, kv_shm_path=str(shm))
+    assert sorted(p.name for p in shm.parent.glob("*")) == ["kv.k", "kv.v"]
+    e.close()
+    assert list(shm.parent.glob("*")) == []
 
 
 def test_preemption_by_recompute_when_cpu_tier_is_full_loses_nothing(model_dir):

@@ -252,6 +252,26 @@ def test_cpu_decode_recomputes_when_the_cpu_tier_is_full_too():
     assert_all_free(sched)
 
 
+def test_cpu_decode_never_parks_a_sequence_the_device_tier_cannot_take_back():
+    """Under cpu_decode a sequence that cannot move to the CPU tier with room to grow there is
+    recomputed, not swapped out: parked on the CPU tier at 8 tokens, its ninth would need 3 blocks
+    of a device tier of 2, and it (and the waiting queue behind it) would wait forever."""
+    prompts = {"a": [3], "b": [5]}
+    expected = reference_outputs(prompts, max_tokens=15)
+    sched, model = make(num_device=2, num_cpu=4, cpu_decode=True, max_model_len=16, max_num_batched_tokens=4)
+    seqs = [seq(rid, p, max_tokens=15) for rid, p in prompts.items()]
+    for s in seqs:
+        sched.add(s)
+    outs = []
+    while sched.has_unfinished():
+        assert len(outs) < 200, f"no progress: {[(s.request_id, s.status.value) for s in seqs]}"
+        outs.append(step(sched, model)[0])
+        assert sched.num_swapped == 0
+    assert any(o.offloaded for o in outs) and any(o.preempted for o in outs)
+    assert {s.request_id: s.output_token_ids for s in seqs} == expected
+    assert_all_free(sched)
+
+
 def test_preemption_by_recompute_when_the_cpu_tier_is_full():
     prompts = {f"r{i}": [(5 * i + j) % 30 + 1 for j in range(6)] for i in range(3)}
     expected = reference_outputs(prompts, max_tokens=12)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.kv.attention import AttentionMetadata, paged_attention
 from tandem.kv.cache import CPU
-from tandem.rpc.cpu_attention import SharedCpuKV, layout_path, publish_layout
+from tandem.rpc.cpu_attention import KVNotShared, SharedCpuKV, layout_path, publish_layout, withdraw_layout
 from tandem.rpc.experts_client import GrpcExpertExecutor
 
 
@@ -133,3 +135,39 @@ async def test_prefill_chunks_and_the_latent_layout_over_the_shared_tier(start_s
                 await asyncio.to_thread(client.cpu_attention, *args, **kwargs)
     finally:
         client.close()
+
+
+async def test_the_attention_process_removes_its_shared_tier_when_it_ends(start_server, model_dir, tmp_path):
+    """The tier's files and their published layout belong to the attention process: they go when
+    it stops, so a stopped server leaves no memory-backed files behind in /dev/shm."""
+    shm, path = tmp_path / "shm" / "kv", model_dir("mixtral")
+    experts = await start_server(model=str(path), role="experts", listen=f"unix:{tmp_path}/experts.sock",
+                                 kv_shm=str(shm))
+    attention = await start_server(model=str(path), role="attention", experts=experts.address, kv_shm=str(shm))
+    assert sorted(p.name for p in shm.parent.iterdir()) == ["kv.k", "kv.layout.json", "kv.v"]
+    assert await attention.close() == 0
+    assert list(shm.parent.iterdir()) == []
+    embedded = await start_server(model=str(path), kv_shm=str(shm))  # role all
+    assert sorted(p.name for p in shm.parent.iterdir()) == ["kv.k", "kv.layout.json", "kv.v"]
+    assert await embedded.close() == 0
+    assert list(shm.parent.iterdir()) == []
+
+
+def test_the_experts_side_unmaps_a_tier_its_attention_process_withdrew(tmp_path, model_dir):
+    """Mapped by the experts process, removed files keep their memory: it lets them go once the
+    layout is withdrawn, so that a restarted attention process finds the volume's room free."""
+    shm = tmp_path / "kv"
+    engine = LLMEngine.from_pretrained(model_dir("mixtral"), device="cpu", config=EngineConfig(
+        max_model_len=64, max_num_seqs=1, cpu_kv_gib=0.001, kv_shm_path=str(shm)))
+    publish_layout(engine.cache, shm)
+    kv = SharedCpuKV(shm)
+    mapped = weakref.ref(kv.tensors()[1]["k"])
+    kv.release_if_withdrawn()
+    assert mapped() is not None  # still published: kept
+    withdraw_layout(shm)
+    engine.close()
+    kv.release_if_withdrawn()
+    gc.collect()
+    assert mapped() is None
+    with pytest.raises(KVNotShared, match="no CPU KV tier published"):
+        kv.tensors()

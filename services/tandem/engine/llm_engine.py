@@ -83,6 +83,10 @@ class EngineConfig:
             raise ValueError(f"device_kv_gib must be a number of GiB > 0, got {self.device_kv_gib}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.num_device_blocks is not None and self.num_device_blocks < 1:
+            raise ValueError(f"num_device_blocks must be at least 1, got {self.num_device_blocks}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be at least 0, got {self.num_cpu_blocks}")
 
 
 def context_length(model_config, config: EngineConfig) -> int:
@@ -128,14 +132,26 @@ class LLMEngine:
         dtype = next(model.parameters()).dtype
         layout = KVLayout(tuple(model.kv_entries()), cfg.num_layers, dtype)
         num_device, num_cpu = self._num_blocks(layout)
-        self.cache = KVCache(layout, config.block_size, num_device, num_cpu, device, config.kv_shm_path)
+        # Bookkeeping first: tiers too small for the limits are refused before any memory is taken.
         self.block_manager = KVBlockManager(num_device, num_cpu, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=self.max_model_len, max_waiting=config.max_waiting,
-                            cpu_decode=config.cpu_decode, num_scheduler_steps=config.num_scheduler_steps),
-            self.block_manager, set(cfg.eos_token_ids),
-        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, max_waiting=config.max_waiting, cpu_decode=config.cpu_decode,
+            num_scheduler_steps=config.num_scheduler_steps)
+        try:
+            self.scheduler = Scheduler(scheduler_config, self.block_manager, set(cfg.eos_token_ids))
+        except ValueError as exc:  # tiers too small: say which settings made them so
+            raise ValueError(f"{exc} ({self._tier_sizes(layout, num_device, num_cpu)})") from None
+        self.cache = KVCache(layout, config.block_size, num_device, num_cpu, device, config.kv_shm_path)
+        try:
+            self._prepare_runner(model, device, config)
+        except BaseException:
+            self.close()  # nothing of a failed engine stays behind in shared memory
+            raise
+        self.requests: dict[str, _Request] = {}
+        self._pending = None  # a scheduled step whose forward pass has not completed
+
+    def _prepare_runner(self, model, device: torch.device, config: EngineConfig) -> None:
         self.runner = ModelRunner(model, self.cache, device)
         self.gpu_prefill = []  # the GPU prefill wrappers (their `calls` go into stats())
         if device.type == "cuda" and config.device_prefill_tokens:
@@ -150,8 +166,11 @@ class LLMEngine:
                 self.runner.graphs = graphs
             else:
                 log.info("decode steps run eagerly, without CUDA graphs: %s", reason)
-        self.requests: dict[str, _Request] = {}
-        self._pending = None  # a scheduled step whose forward pass has not completed
+
+    def close(self) -> None:
+        """Remove the CPU KV tier's shared-memory files (kv_shm_path), if any, when serving ends; safe
+        to call twice. This process's tensors stay valid; another process can no longer map them."""
+        self.cache.close()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device=None, dtype=None, config: EngineConfig | None = None,
@@ -180,8 +199,22 @@ class LLMEngine:
             device = min(useful, int(c.device_kv_gib * GiB) // per_block)
         cpu = c.num_cpu_blocks if c.num_cpu_blocks is not None else min(useful, int(c.cpu_kv_gib * GiB) // per_block)
         if device < 1:
-            raise ValueError("no room for a single KV block on the device: lower the model size or raise the budget")
+            raise ValueError(f"no room for a single KV block ({per_block} bytes) on the device: "
+                             f"{self._tier_sizes(layout, device, cpu)}")
         return device, cpu
+
+    def _tier_sizes(self, layout: KVLayout, num_device: int, num_cpu: int) -> str:
+        """What each tier holds and the setting that sized it, for errors about their size."""
+        c = self.config
+        if c.num_device_blocks is not None:
+            device_from = "num_device_blocks (--num-device-blocks)"
+        elif self.device.type == "cuda":
+            device_from = f"gpu_memory_fraction={c.gpu_memory_fraction} of the free GPU memory (--gpu-memory-fraction)"
+        else:
+            device_from = f"device_kv_gib={c.device_kv_gib}"
+        cpu_from = "num_cpu_blocks" if c.num_cpu_blocks is not None else f"cpu_kv_gib={c.cpu_kv_gib} (--cpu-kv-gib)"
+        return (f"device tier: {num_device} blocks of {c.block_size} tokens from {device_from}; CPU tier: {num_cpu} "
+                f"blocks from {cpu_from}; a block of this model takes {layout.bytes_per_block(c.block_size)} bytes")
 
     # requests
 

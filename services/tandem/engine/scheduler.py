@@ -21,8 +21,9 @@ caller has work (a request to admit), keeping the slots allocated for the steps 
 With `cpu_decode` (the serving default), a sequence that would be swapped out is offloaded
 instead: its KV moves to the CPU tier and it keeps running there, its attention computed on
 the CPU socket (`tandem.kv.tiered`), so a context longer than the device tier still decodes.
-It stays on the CPU tier until it finishes (no ping-pong between tiers). When the CPU tier is
-full too, the latest-arrived CPU-tier sequence is recomputed.
+It stays on the CPU tier until it finishes (no ping-pong between tiers). A sequence that does not
+fit the CPU tier with room to grow is recomputed, never swapped out, as is the latest-arrived
+CPU-tier sequence when the CPU tier is full.
 
 Not thread-safe: the engine calls schedule → run → update from one thread, and abort/finish
 between steps.
@@ -314,7 +315,10 @@ class Scheduler:
         step.drop(seq)
         seq.num_preemptions += 1
         step.out.preempted.append(seq)
-        pairs = self.block_manager.swap_out(seq)
+        # With cpu_decode the CPU tier is where sequences run, not where they wait: one parked there
+        # because it could not grow there could need more blocks than the whole device tier has, and
+        # would wait for them forever (and the waiting queue behind it). It is recomputed instead.
+        pairs = None if self.config.cpu_decode else self.block_manager.swap_out(seq)
         if pairs is not None:
             step.out.swap_out += pairs
             seq.status = SequenceStatus.SWAPPED

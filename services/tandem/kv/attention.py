@@ -129,10 +129,22 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tens
     cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """cache [blocks, block_size, *entry], block_tables [B, nb] -> [B, nb * block_size, *entry]."""
-    gathered = cache[block_tables]  # [B, nb, block_size, *entry]
-    return gathered.flatten(1, 2)
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """cache [blocks, block_size, *entry], block_tables [B, nb] -> [B, nb * block_size, *entry].
+
+    With seq_lens [B], each sequence's slots from its length on come back as zeros. They hold what
+    their blocks held before (another request's KV, a NaN it computed, an earlier run's bytes in a
+    reused shared-memory tier): masked out of the scores, yet a NaN or inf there would still reach
+    the output, as 0 * NaN, through the probabilities' product with the values."""
+    gathered = cache[block_tables].flatten(1, 2)  # [B, L, *entry], a copy
+    if seq_lens is not None:
+        beyond = torch.arange(gathered.shape[1], device=gathered.device) >= seq_lens[:, None]  # [B, L]
+        if gathered.device.type == "cpu":
+            # By index, a few slots a sequence: a mask over the whole copy cost a quarter of a bf16 decode step.
+            gathered.flatten(0, 1).index_fill_(0, beyond.view(-1).nonzero().view(-1), 0)
+        else:  # nonzero would wait for the device every layer; a masked write does not
+            gathered.masked_fill_(beyond.view(*beyond.shape, *[1] * (gathered.dim() - 2)), 0)
+    return gathered
 
 
 _native_decode = None  # resolved on first use: the op, or False
@@ -187,8 +199,8 @@ def sdpa_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """`paged_attention` with torch ops: gather the blocks, one padded SDPA over the batch."""
     decode_only = meta.query_index.shape[1] == 1  # one token per sequence, in sequence order: no gather
     qp = (q[:, None] if decode_only else q[meta.query_index]).transpose(1, 2)  # [B, H, Qmax, D]
-    k = gather_kv(k_cache, meta.block_tables).transpose(1, 2)  # [B, Hkv, L, D]
-    v = gather_kv(v_cache, meta.block_tables).transpose(1, 2)  # [B, Hkv, L, Dv]
+    k = gather_kv(k_cache, meta.block_tables, meta.seq_lens).transpose(1, 2)  # [B, Hkv, L, D]
+    v = gather_kv(v_cache, meta.block_tables, meta.seq_lens).transpose(1, 2)  # [B, Hkv, L, Dv]
     heads = qp.shape[1]
     if k.shape[1] == 1 and heads > 1:
         out = shared_kv_head_attention(qp, k, v, meta.mask, scale)  # [B, H, Qmax, Dv]

@@ -11,6 +11,9 @@ live in a shared-memory file so a second process (the experts side) maps the sam
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,25 +39,70 @@ class KVLayout:
 
 
 class KVCache:
+    """With `cpu_shm_path`, the CPU tier lives in the files `{cpu_shm_path}.{entry}`, which this
+    cache owns (one owner a path) and removes on `close()`, when it is collected or when the
+    process exits: the KV in them means nothing without this process's block tables."""
+
     def __init__(self, layout: KVLayout, block_size: int, num_device_blocks: int, num_cpu_blocks: int,
                  device: torch.device | str, cpu_shm_path: str | Path | None = None):
         self.layout = layout
         self.block_size = block_size
         self.device = torch.device(device)
-        self.tiers = {
-            DEVICE: self._allocate(num_device_blocks, self.device),
-            CPU: self._allocate(num_cpu_blocks, torch.device("cpu"), cpu_shm_path),
-        }
+        self._shm_files: list[tuple[Path, int, int]] = []  # (path, st_dev, st_ino) of the files made here
+        # Bound to the list, not to self: it runs once, on close(), collection or interpreter exit.
+        self._finalizer = weakref.finalize(self, _remove_files, self._shm_files)
+        try:
+            cpu = self._allocate_shared(num_cpu_blocks, cpu_shm_path) if cpu_shm_path is not None else \
+                self._allocate(num_cpu_blocks, torch.device("cpu"))
+            self.tiers = {DEVICE: self._allocate(num_device_blocks, self.device), CPU: cpu}
+        except BaseException:
+            self.close()
+            raise
         self._layers: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # views, made once
 
-    def _allocate(self, num_blocks: int, device: torch.device, shm_path=None) -> dict[str, torch.Tensor]:
+    def close(self) -> None:
+        """Remove the CPU tier's shared-memory files. Its memory goes once no process maps them
+        (this one's tensors stay valid)."""
+        self._finalizer()
+
+    def _shape(self, num_blocks: int, entry: tuple[int, ...]) -> tuple[int, ...]:
+        return (self.layout.num_layers, num_blocks, self.block_size, *entry)
+
+    def _allocate(self, num_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros(self._shape(num_blocks, shape), dtype=self.layout.dtype, device=device)
+                for name, shape in self.layout.entries}
+
+    def _allocate_shared(self, num_blocks: int, shm_path: str | Path) -> dict[str, torch.Tensor]:
+        elem = torch.empty((), dtype=self.layout.dtype).element_size()
+        shapes = {name: self._shape(num_blocks, entry) for name, entry in self.layout.entries}
+        paths = {name: Path(f"{shm_path}.{name}") for name in shapes}
+        # Files of the right size that an earlier process left (it died, or its container restarts in
+        # the same pod) are taken over: a process still mapping them (the experts side) then shares
+        # them instead of holding a second copy of the tier. Their stale bytes are never read
+        # (tandem.kv.attention.gather_kv). Files of another size go.
+        taken = 0  # bytes of the tier already in memory
+        for name, path in paths.items():
+            if path.exists():
+                st = path.stat()
+                if st.st_size == math.prod(shapes[name]) * elem:
+                    taken += st.st_blocks * 512
+                else:
+                    path.unlink()
+        nbytes = self.layout.bytes_per_block(self.block_size) * num_blocks
+        parent = Path(shm_path).parent
+        parent.mkdir(parents=True, exist_ok=True)
+        # A tmpfs file is sparse until written, and a write past the volume's size kills the process
+        # (SIGBUS) when a sequence first reaches that block: refuse at startup instead.
+        free = shutil.disk_usage(parent).free
+        if free + taken < nbytes:
+            raise ValueError(f"--kv-shm: {parent} has {free / 2**30:.2f} GiB free, the CPU KV tier needs "
+                             f"{(nbytes - taken) / 2**30:.2f} GiB more ({num_blocks} blocks): lower --cpu-kv-gib "
+                             f"or give that volume more room")
         tensors = {}
-        for i, (name, shape) in enumerate(self.layout.entries):
-            full = (self.layout.num_layers, num_blocks, self.block_size, *shape)
-            if shm_path is None:
-                tensors[name] = torch.zeros(full, dtype=self.layout.dtype, device=device)
-            else:
-                tensors[name] = map_shared(Path(f"{shm_path}.{name}"), full, self.layout.dtype)
+        for name, shape in shapes.items():
+            tensors[name] = map_shared(paths[name], shape, self.layout.dtype)
+            st = paths[name].stat()
+            self._shm_files.append((paths[name], st.st_dev, st.st_ino))
         return tensors
 
     def num_blocks(self, tier: str) -> int:
@@ -79,11 +127,26 @@ class KVCache:
 
 
 def map_shared(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor backed by a file (in /dev/shm or a memory emptyDir) that other processes can map too."""
+    """A tensor backed by a file (in /dev/shm or a memory emptyDir) that other processes can map
+    too: a new one, zero-filled, or the one at `path` if it has exactly that size, as it is."""
     path.parent.mkdir(parents=True, exist_ok=True)
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     with open(path, "ab") as f:
-        if f.tell() < nbytes:
+        if f.tell() != nbytes:
+            if f.tell():  # never shrink or grow a file another process may map (it would SIGBUS)
+                raise ValueError(f"--kv-shm: {path} exists with another size than the tier's {nbytes} bytes")
             f.truncate(nbytes)
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def _remove_files(files: list[tuple[Path, int, int]]) -> None:
+    """Unlink each file that is still the one made (a later cache on the same path made its own)."""
+    for path, dev, ino in files:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            path.unlink(missing_ok=True)
+    files.clear()

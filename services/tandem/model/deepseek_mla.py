@@ -109,7 +109,7 @@ def absorbed_decode(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, d
 def expanded_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:
     """Project the cached latents to per-head K and V, then ordinary attention."""
     h = q_nope.shape[1]
-    latent = gather_kv(cache, meta.block_tables)  # [B, L, r + rope]
+    latent = gather_kv(cache, meta.block_tables, meta.seq_lens)  # [B, L, r + rope], zeros past each length
     c, k_pe = latent.split((dims.kv_lora_rank, dims.qk_rope_head_dim), dim=-1)
     b, length = latent.shape[:2]
     kv = F.linear(c, kv_b_weight).view(b, length, h, -1)  # [B, L, H, nope + v]

@@ -51,6 +51,11 @@ def publish_layout(cache, shm_path: str | Path) -> Path:
     return path
 
 
+def withdraw_layout(shm_path: str | Path) -> None:
+    """Removes the published layout (the attention process is ending): nothing maps the tier from it again."""
+    layout_path(shm_path).unlink(missing_ok=True)
+
+
 class SharedCpuKV:
     """The CPU KV tier as the experts process sees it: the attention process's files, mapped shared."""
 
@@ -68,10 +73,17 @@ class SharedCpuKV:
         except FileNotFoundError:
             raise KVNotShared(f"kv_shm: no CPU KV tier published at {path}: is the attention process running "
                               f"with the same --kv-shm {self.shm_path}?") from None
-        if self._mapped is None or self._published != (st.st_ino, st.st_mtime_ns):
-            self._mapped = self._map(path)
+        mapped = self._mapped  # once: release_if_withdrawn may clear it from another thread
+        if mapped is None or self._published != (st.st_ino, st.st_mtime_ns):
+            mapped = self._mapped = self._map(path)
             self._published = (st.st_ino, st.st_mtime_ns)
-        return self._mapped
+        return mapped
+
+    def release_if_withdrawn(self) -> None:
+        """Unmaps the tier once its attention process has withdrawn the layout (it ended): the
+        files' memory is then freed, and a restarted attention process finds the volume's room."""
+        if self._mapped is not None and not layout_path(self.shm_path).exists():
+            self._mapped = self._published = None
 
     def _map(self, path: Path):
         layout = json.loads(path.read_text())

@@ -26,7 +26,7 @@ from tandem import contract
 from tandem.metrics import ServingMetrics
 from tandem.rpc import experts_server, inference_server, loading
 from tandem.rpc.addresses import check_address, prepare_unix_socket, with_bound_port
-from tandem.rpc.cpu_attention import CpuAttention, SharedCpuKV, publish_layout
+from tandem.rpc.cpu_attention import CpuAttention, SharedCpuKV, publish_layout, withdraw_layout
 from tandem.rpc.engine_loop import EngineLoop
 from tandem.rpc.expert_wire import data_socket_path
 from tandem.rpc.experts_data import DataPlaneServer
@@ -245,7 +245,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
-    engine_loop = data_plane = None
+    engine = engine_loop = data_plane = tier_watch = None
     try:
         loaded = await _wait_loaded(_load_in_thread(lambda: _load(opts, metrics)), stop)
         if loaded is None:
@@ -257,7 +257,10 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
             if path is not None:  # the hot path for a same-host attention process
                 data_plane = DataPlaneServer(path, servicer, spin_us=opts.spin_us)
                 info.data_socket = path
-            servicer.attach(executor, info, CpuAttention(SharedCpuKV(opts.kv_shm)) if opts.kv_shm else None)
+            cpu_kv = SharedCpuKV(opts.kv_shm) if opts.kv_shm else None
+            if cpu_kv is not None:
+                tier_watch = asyncio.create_task(_release_withdrawn_tier(cpu_kv))
+            servicer.attach(executor, info, CpuAttention(cpu_kv) if cpu_kv is not None else None)
             await health_state.set_alive(True)
             await health_state.set(True)
         else:
@@ -301,14 +304,29 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
         await server.stop(grace=0)
         return 1
     finally:
+        if tier_watch is not None:
+            tier_watch.cancel()
         if engine_loop is not None:
             engine_loop.stop(timeout=5.0)
+        if engine is not None:  # the CPU KV tier's shared-memory files go with the process that owns them
+            if opts.kv_shm:
+                withdraw_layout(opts.kv_shm)  # first: an experts process maps nothing more from it
+            engine.close()
         if opts.role == "experts":
             servicer.close()
         if data_plane is not None:
             data_plane.close()
         if httpd is not None:
             httpd.shutdown()
+
+
+async def _release_withdrawn_tier(cpu_kv: SharedCpuKV, period_s: float = 1.0) -> None:
+    """The experts process lets the CPU KV tier go soon after its attention process ends (withdrawing
+    the layout, removing the files): mapped here, the files would keep their memory, and a restarted
+    attention process would find the volume's room taken."""
+    while True:
+        await asyncio.sleep(period_s)
+        cpu_kv.release_if_withdrawn()
 
 
 async def _wait_loaded(load: concurrent.futures.Future, stop: asyncio.Event):
