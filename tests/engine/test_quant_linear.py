@@ -12,8 +12,9 @@ from test_experts_quality import engine, teacher_forced_agreement
 from torch import nn
 
 from tandem.experts import native
+from tandem.model import native_decode
 from tandem.model.loader import load_model
-from tandem.model.quant_linear import Int8Linear, Int8RowWeight, dense_nbytes, quantize_dense_
+from tandem.model.quant_linear import PREFILL_TOKENS, Int8Linear, Int8RowWeight, dense_nbytes, quantize_dense_
 
 # Why 2%: a row's int8 step is max|w| / 127 and its rounding error is uniform, so the relative
 # weight error is about max|w| / (127 sqrt(12) sigma), 0.7% for Gaussian rows of 1024 (max ~3.2
@@ -44,10 +45,10 @@ def kernel_module():
     return module
 
 
-# Tokens: 1 (decode), 5 (a tile of 4 plus 1), 40 (above prefill_tokens: the dequantized GEMM).
+# Tokens: 1 (decode), 5 (a tile of 4 plus 1), 40 (several tiles), 257 (above PREFILL_TOKENS: the dequantized GEMM).
 # Shapes: the benchmark's attention and head; 96 is K off the 64-byte vector step; 7 an odd N.
 @pytest.mark.parametrize("n,k", [(1024, 1024), (500, 1024), (7, 96)])
-@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("tokens", [1, 5, 40, PREFILL_TOKENS + 1])
 def test_int8_linear_is_close_to_f_linear(n, k, tokens):
     layer = gaussian_linear(n, k, bias=True)
     q = Int8Linear(layer)
@@ -58,7 +59,19 @@ def test_int8_linear_is_close_to_f_linear(n, k, tokens):
     assert 0 < rel_err(got, want) < BOUND
     # against the weights it actually holds, only activation rounding remains (none for GEMM)
     exact = F.linear(x, q.weight.dequantize(), layer.bias)
-    assert rel_err(got, exact) < (1e-6 if tokens > 32 else 0.012)
+    assert rel_err(got, exact) < (1e-6 if tokens > PREFILL_TOKENS else 0.012)
+
+
+def test_prefill_gemm_in_row_blocks_is_the_whole_gemm(monkeypatch):
+    """Above prefill_tokens the weight is dequantized a block of rows at a time: blocks of 64 rows
+    over 500 (a short last block) must give what one GEMM on the whole dequantized weight gives."""
+    from tandem.model import quant_linear
+
+    layer = gaussian_linear(500, 1024, bias=True)
+    q = Int8Linear(layer)
+    x = torch.randn(PREFILL_TOKENS + 1, 1024, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(quant_linear, "DEQUANT_BYTES", 4 * 1024 * 64)
+    torch.testing.assert_close(q(x), F.linear(x, q.weight.dequantize(), layer.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_every_instruction_set_gives_the_same_dense_result(kernel_module):
@@ -151,7 +164,9 @@ def test_compute_logits_takes_the_native_head_for_decode_batches(demo_model_dir,
     calls = []
     real = kernel_module.linear_forward
     monkeypatch.setattr(kernel_module, "linear_forward", lambda *a: (calls.append(a[1]), real(*a))[1])
-    for rows in (1, 5, 40):  # 40: above the decode threshold, a GEMM through F.linear
+    # a GEMM through F.linear above the threshold: the decode batch's for a float head, the int8 kernel's own
+    limit = PREFILL_TOKENS if dense_quant == "int8" else native_decode.DEFAULT_MAX_TOKENS
+    for rows in (1, 5, 40, PREFILL_TOKENS + 1):
         hidden = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
         calls.clear()
         logits = model.compute_logits(hidden)
@@ -159,7 +174,7 @@ def test_compute_logits_takes_the_native_head_for_decode_batches(demo_model_dir,
         # int8: against its own dequantized weight, where only the activations' Q8 rounding differs
         atol = 0.02 if dense_quant == "int8" else 1e-5
         torch.testing.assert_close(logits, F.linear(hidden, weight), rtol=0, atol=atol)
-        assert calls == ([] if rows == 40 else [native.KIND_INT8 if dense_quant == "int8" else native.KIND_F32])
+        assert calls == ([] if rows > limit else [native.KIND_INT8 if dense_quant == "int8" else native.KIND_F32])
 
 
 def test_none_changes_nothing_and_unknown_modes_are_refused(demo_model_dir):

@@ -82,11 +82,19 @@ class Int8RowWeight(torch.Tensor):
             return func(*args, **kwargs)
 
 
+DEQUANT_BYTES = 4 << 20  # a prefill GEMM's block of dequantized weight rows: a few MiB, cache-sized
+# Batches up to this many tokens run the native kernel, larger ones the GEMM: on 2 AVX2 cores of a Zen 1
+# EPYC the kernel is 1.1-2.1x the GEMM at 64 and 128 tokens (N x K from 3072 x 1024 to 8000 x 1024 and
+# 4096 x 4096), even at 256 (0.93-1.16x), 0.7-0.85x at 512 where K is 1024
+# (`benchmarks/dense_prefill.py --against-native`). Cores with AVX-512 VNNI favour the kernel more.
+PREFILL_TOKENS = 256
+
+
 class Int8Kernel:
     """y = x W^T (+ bias) for one int8 weight: the native kernel for up to `prefill_tokens`
     tokens, else MKL's GEMM on the dequantized weight (prefill is compute-bound, not memory-bound)."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, prefill_tokens: int = 32):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, prefill_tokens: int = PREFILL_TOKENS):
         self.q, self.scale, self.prefill_tokens = q, scale, prefill_tokens  # [N, K] int8, [N] f32
         self.native = native.load_kernel()
         # Without the native kernel: torch's int8 GEMV (bf16 activations) for decode.
@@ -99,7 +107,7 @@ class Int8Kernel:
         # decode runs this ~25 times a step: no conversion or copy that is not needed
         x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()  # [T, K]
         if t > self.prefill_tokens:
-            y = F.linear(x32, self.q.float() * self.scale[:, None])  # [T, N]
+            y = self._dequantized_linear(x32)
         elif self.native is not None:
             y = torch.empty((t, self.q.shape[0]), dtype=torch.float32)  # [T, N]
             self.native.linear_forward(x32, native.KIND_INT8, self.q, self.scale, y)
@@ -109,11 +117,24 @@ class Int8Kernel:
             y += bias
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
+    def _dequantized_linear(self, x32: torch.Tensor) -> torch.Tensor:
+        """x32 [T, K] -> [T, N] through MKL's GEMM, the weight dequantized DEQUANT_BYTES of rows at a
+        time: never the whole weight in float32 (2.4 GB for a 150k-token vocabulary's LM head), and
+        each block still in cache for its GEMM (3-4x faster than dequantizing it whole at 64 tokens,
+        `benchmarks/RESULTS.md` round twenty-two)."""
+        n, k = self.q.shape
+        rows = max(8, DEQUANT_BYTES // (4 * k))
+        y = torch.empty((x32.shape[0], n), dtype=torch.float32)
+        for start in range(0, n, rows):
+            w = self.q[start:start + rows].float().mul_(self.scale[start:start + rows, None])
+            y[:, start:start + rows] = F.linear(x32, w)
+        return y
+
 
 class Int8Linear(nn.Module):
     """A bias-optional linear layer with int8 weights per output channel (see `Int8Kernel`)."""
 
-    def __init__(self, linear: nn.Linear, prefill_tokens: int = 32):
+    def __init__(self, linear: nn.Linear, prefill_tokens: int = PREFILL_TOKENS):
         super().__init__()
         w = linear.weight.detach()
         if w.device.type != "cpu":
@@ -137,7 +158,7 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per output channel"
 
 
-def quantize_dense_(model: nn.Module, mode: str, *, prefill_tokens: int = 32) -> list[str]:
+def quantize_dense_(model: nn.Module, mode: str, *, prefill_tokens: int = PREFILL_TOKENS) -> list[str]:
     """Swap, in place, every dense `nn.Linear` of `model` for an `Int8Linear` (mode "int8"); mode
     "none" changes nothing. Routed experts are not modules here (the executor holds them);
     routers and raw-read weights are kept (`KEEP_FULL_PRECISION`). Idempotent. Returns the
