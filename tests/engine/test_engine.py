@@ -4,6 +4,7 @@ multi-step decode."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import InvalidRequest, SamplingParams
@@ -564,3 +565,80 @@ def test_experts_unavailable_inside_a_run_keeps_the_tokens_so_far(model_dir, str
     assert sizes[:3] == [[1, 1], [1, 1], [1] * 8 if stream else [4, 4]] and raised == [2]
     assert tokens == {rid: reference[rid][0] for rid in "ab"}
     assert e.stats().kv_blocks_used[DEVICE] == 0
+
+
+@pytest.mark.parametrize("steps,stream", [(1, False), (4, False), (4, True)], ids=["single", "returned", "streamed"])
+def test_broken_logits_end_only_their_request_with_error(model_dir, steps, stream):
+    # The model gone wrong for one sequence (NaN logits from its 4th token on) ends that request
+    # with "error" and the 3 tokens before; its neighbours, seeded or greedy, get their own tokens.
+    requests = {rid: (p, params) for rid, p, params in zip("abc", prompts(3), MIXED)}
+    want, _ = run(engine(model_dir), requests)
+    e = engine(model_dir, num_scheduler_steps=steps)
+    seen = {"b": 0}
+
+    def break_b(rid, logits):
+        if rid == "b":
+            seen["b"] += 1
+            if seen["b"] > 3:
+                with torch.inference_mode():  # the logits are inference tensors
+                    logits.fill_(float("nan"))
+
+    e.runner.logits_hook = break_b
+    got, _ = run(e, requests, stream)
+    assert got["b"][0] == want["b"][0][:3] and got["b"][2] == "error"
+    assert got["a"] == want["a"] and got["c"] == want["c"]
+    assert e.stats().kv_blocks_used[DEVICE] == 0
+
+
+NATIVE_ARGMAX_BUG = ("decode_greedy's argmax_row (experts/csrc/decode_layer.cpp) takes a NaN row's first NaN for "
+                     "the token, with no way to say the logits were broken: the request goes on with garbage")
+NATIVE_ROUTE_BUG = ("route() in experts/csrc/decode_layer.cpp finds no expert when the router's softmax is NaN and "
+                    "indexes p[-1], calling expert -1: memory corruption aborts the whole process")
+
+
+@pytest.mark.parametrize("path", ["python", pytest.param("native", marks=pytest.mark.xfail(
+    strict=True, reason=NATIVE_ARGMAX_BUG))])
+def test_greedy_decode_with_nan_logits_ends_with_error(model_dir, path):
+    # The head gone NaN after the prefill: every decode step's logits are NaN, the hidden states fine.
+    e = engine(model_dir, num_scheduler_steps=4)
+    if path == "python":
+        e.runner.logits_hook = lambda rid, logits: None  # a watcher keeps the steps in Python
+    e.add_request("a", prompts(1)[0], GREEDY)
+    [first] = e.step()
+    with torch.no_grad():
+        e.model.lm_head.weight.fill_(float("nan"))
+    outputs = [o for _ in range(3) for o in e.step()]
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([], "error")]
+    assert len(first.new_token_ids) == 1 and not e.has_unfinished_requests()
+
+
+NAN_EMBEDDING = """
+import sys, torch
+from tandem.engine.llm_engine import EngineConfig, LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+model_dir, native, prompt, t0 = sys.argv[1], sys.argv[2] == "native", eval(sys.argv[3]), int(sys.argv[4])
+e = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="float32", config=EngineConfig())
+e.model.native_decode = native
+with torch.no_grad():
+    e.model.model.embed_tokens.weight[t0] = float("nan")
+[out] = e.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+print(out.token_ids, out.finish_reason)
+"""
+
+
+@pytest.mark.parametrize("path", ["torch", pytest.param("native", marks=pytest.mark.xfail(
+    strict=True, reason=NATIVE_ROUTE_BUG))])
+def test_nan_hidden_states_end_their_request_not_the_server(model_dir, path):
+    # The embedding of the first generated token made NaN: the decode steps' hidden states are NaN
+    # from the first layer on. In a child process: a native crash must not take pytest with it.
+    import subprocess
+    import sys
+
+    prompt = prompts(1)[0]
+    [first] = engine(model_dir).generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    t0 = first.token_ids[0]
+    assert t0 not in prompt
+    child = subprocess.run([sys.executable, "-c", NAN_EMBEDDING, str(model_dir), path, repr(prompt), str(t0)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split("\n")[-2] == f"[{t0}] error"

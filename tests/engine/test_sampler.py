@@ -1,4 +1,5 @@
-"""The sampler: greedy, top-k/top-p support, per-request seeds, and the sampled distribution."""
+"""The sampler: greedy, top-k/top-p against transformers, per-request seeds, the sampled distribution, broken
+logits; SamplingParams validation."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from tandem.engine.sampler import Sampler
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import InvalidRequest, SamplingParams
 
 PROBS = [0.5, 0.3, 0.1, 0.06, 0.04]
 LOGITS = torch.tensor(PROBS).log()
@@ -128,3 +129,106 @@ def test_mismatched_inputs_raise_clear_errors():
         Sampler().sample(logits, [SamplingParams()], [None, None])
     with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
         Sampler().sample(logits[0], [SamplingParams()], [None])
+
+
+# Against transformers' logits processors: the distribution sampled from is the softmax of the
+# logits its warpers leave, in generate's order (temperature, top-k, top-p).
+
+
+def transformers_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = TemperatureLogitsWarper(params.temperature)(None, logits.clone())
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    return scores.softmax(dim=-1)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=7),
+    SamplingParams(temperature=1.0, top_k=1000),  # more than the vocabulary: keeps it all
+    SamplingParams(temperature=0.5, top_p=0.8),
+    SamplingParams(temperature=2.0, top_k=40, top_p=0.5),
+    SamplingParams(temperature=1.0, top_p=1e-6),
+    SamplingParams(temperature=1e-4, top_k=3),
+], ids=repr)
+def test_the_distribution_is_transformers_warpers(params):
+    logits = random_logits(8, 300, seed=5)
+    ours = Sampler().probs(logits, [params] * 8)
+    assert torch.allclose(ours, transformers_probs(logits, params), atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 10])
+def test_top_k_keeps_every_token_tied_with_the_kth_as_transformers_and_vllm_do(top_k):
+    logits = (random_logits(8, 60, seed=6) * 2).round() / 2  # ties at the cut-off in most rows
+    params = SamplingParams(temperature=1.0, top_k=top_k)
+    ours = Sampler().probs(logits, [params] * 8)
+    theirs = transformers_probs(logits, params)
+    assert ((ours > 0) == (theirs > 0)).all()
+    assert torch.allclose(ours, theirs, atol=1e-6)
+
+
+BROKEN = {"nan": float("nan"), "+inf": float("inf")}
+
+
+@pytest.mark.parametrize("bad", ["nan", "+inf", "all -inf"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_row_of_broken_logits_gets_no_token_and_spares_its_batch(bad, temperature):
+    """A model gone wrong for one sequence (a NaN, +inf, or nothing finite in its logits) must not
+    yield a token that looks real, nor fail the others: its row gets NO_TOKEN."""
+    logits = random_logits(4, 50, seed=7)
+    logits[0, :10] = float("-inf")  # some masked tokens are fine
+    params = [SamplingParams(temperature=temperature, top_k=20), SamplingParams(temperature=0),
+              SamplingParams(temperature=temperature), SamplingParams(temperature=1.0, top_p=0.9)]
+    clean = Sampler().sample(logits, params, [gen(i) for i in range(4)])
+    broken = logits.clone()
+    if bad == "all -inf":
+        broken[2] = float("-inf")
+    else:
+        broken[2, 17] = BROKEN[bad]
+    out = Sampler().sample(broken, params, [gen(i) for i in range(4)])
+    assert out[2].item() == Sampler.NO_TOKEN
+    assert out[[0, 1, 3]].tolist() == clean[[0, 1, 3]].tolist()
+
+
+def test_a_tiny_temperature_samples_the_argmax_without_overflow():
+    logits = random_logits(4, 50, seed=8) * 1e4
+    params = [SamplingParams(temperature=2e-5)] * 4
+    out = Sampler().sample(logits, params, [gen(i) for i in range(4)])
+    assert out.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_unseeded_rows_are_drawn_from_the_samplers_seed():
+    logits = random_logits(6, 200, seed=9) * 0.2
+    params = [SamplingParams(temperature=1.0)] * 6
+    runs = [Sampler(seed=3).sample(logits, params, [None] * 6).tolist() for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != Sampler(seed=4).sample(logits, params, [None] * 6).tolist()
+
+
+def test_greedy_params_are_what_the_sampler_takes_the_argmax_for():
+    for t in (0.0, 1e-7, 1e-6, 1e-5, 0.1):
+        params = SamplingParams(temperature=t)
+        assert params.greedy == Sampler.is_greedy(params)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 2.5), ("max_tokens", True), ("max_tokens", "8"),
+    ("top_k", 2.5), ("top_k", True),
+    ("temperature", "0.7"), ("temperature", None), ("temperature", True),
+    ("top_p", "0.9"), ("top_p", None),
+    ("stop", ("ok", 7)), ("stop", 7),
+    ("stop_token_ids", (2, "3")), ("stop_token_ids", (2, -1)),
+    ("ignore_eos", "no"),
+])
+def test_values_of_the_wrong_kind_are_refused_naming_the_field(field, value):
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(**{field: value})
+    assert err.value.field == field
+
+
+def test_one_stop_string_is_one_string_not_its_characters():
+    assert SamplingParams(stop="\n\n").stop == ("\n\n",)  # as vLLM takes it

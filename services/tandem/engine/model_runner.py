@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 # return ends the run there (tandem.engine.llm_engine streams a run's tokens this way).
 StepCallback = Callable[[int, list[int]], bool]
 
+_NOT_RUN = -2  # a multi-step decode's token for the steps it has not run (NO_TOKEN is -1)
+
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device):
@@ -101,7 +103,7 @@ class ModelRunner:
         run = DecodeSteps.build(starts, tables, steps, self.cache.block_size, self.sliding_window)
         graphed = self._graphed(scheduled, [])
         ids = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long, device=self.device)  # [B]
-        tokens = torch.full((len(rids), steps), -1, dtype=torch.long, device=self.device)  # a column per step done
+        tokens = torch.full((len(rids), steps), _NOT_RUN, dtype=torch.long, device=self.device)  # a column a step
         greedy = not graphed and self._greedy_decode(scheduled)
         native_step = None if on_step is None else (lambda i: on_step(i, tokens[:, i].tolist()))
         try:
@@ -114,15 +116,18 @@ class ModelRunner:
                         step = StepAttention(meta, None, len(rids), self.cpu_attention)
                         hidden = self.model(ids, meta.query_pos.view(-1), self.cache, step,
                                             max_position=max(starts) + i)
-                    ids = tokens[:, i] = self._sample(hidden, rids, params, gens)  # [B]
-                    if on_step is not None and not on_step(i, ids.tolist()):
+                    tokens[:, i] = self._sample(hidden, rids, params, gens)  # [B]
+                    if on_step is not None and not on_step(i, tokens[:, i].tolist()):
                         break
+                    # A sequence that got NO_TOKEN is finished with "error" (its later tokens dropped);
+                    # until the run ends it is fed a real token id.
+                    ids = tokens[:, i].clamp_min(0)  # [B]
         except ExpertsUnavailable:
-            if tokens[0, 0] < 0:
+            if tokens[0, 0] == _NOT_RUN:
                 raise
             log.warning("experts unavailable after %d of %d decode steps; keeping the tokens sampled",
-                        int((tokens[0] >= 0).sum()), steps, exc_info=True)
-        done = int((tokens[0] >= 0).sum())  # fewer than steps: an outage, or on_step ended the run
+                        int((tokens[0] != _NOT_RUN).sum()), steps, exc_info=True)
+        done = int((tokens[0] != _NOT_RUN).sum())  # fewer than steps: an outage, or on_step ended the run
         return dict(zip(rids, tokens[:, :done].tolist()))
 
     def _sample(self, hidden: torch.Tensor, rids: list[str], params, generators) -> torch.Tensor:

@@ -1,29 +1,27 @@
 """Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
-The masking is vectorised over the batch; only the random draw is per row, from the row's own
-generator, so a seeded request gets the same tokens whatever else shares its batch. The draw
-is the exponential race (argmax of p / q with q ~ Exp(1)), which samples from p exactly.
+The masking is vectorised over the batch; only the random draw of a seeded row is its own, from
+the row's generator, so a seeded request gets the same tokens whatever else shares its batch.
+The draw is the exponential race (argmax of p / q with q ~ Exp(1)), which samples from p exactly.
+A row whose logits hold a NaN or +inf, or no finite value, gets NO_TOKEN rather than a token
+that looks real: the model went wrong for that sequence (the scheduler finishes it with "error").
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.engine.sampling_params import SamplingParams
-
-# Below this, dividing by the temperature overflows float32; such rows are treated as greedy.
-_MIN_TEMPERATURE = 1e-5
+from tandem.engine.sampling_params import NO_TOKEN, SamplingParams
 
 
 class Sampler:
     """Turns the last position's logits of each sequence into its next token id."""
 
+    NO_TOKEN = NO_TOKEN  # the token of a row whose logits are broken
+
     def __init__(self, seed: int | None = None):
-        self._default = torch.Generator()
-        if seed is None:
-            self._default.seed()
-        else:
-            self._default.manual_seed(seed)
+        self._seed = seed
+        self._defaults: dict[torch.device, torch.Generator] = {}  # for unseeded rows, one per device
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -35,18 +33,20 @@ class Sampler:
                              f"{len(generators)} generators: they must match")
         logits = logits.float()  # [B, V]
         tokens = logits.argmax(dim=-1)  # [B]
+        # argmax prefers a NaN to any number, as max does: the top logit is finite only in a sound row
+        broken = ~logits.gather(1, tokens[:, None]).squeeze(1).isfinite()  # [B]
         rows = [i for i, p in enumerate(params) if not self.is_greedy(p)]
         if rows:
             index = torch.tensor(rows, device=logits.device)
             probs = self.probs(logits[index], [params[i] for i in rows])  # [R, V]
             drawn = self._race(probs, [generators[i] for i in rows])  # [R]
             tokens[index] = drawn
-        return tokens
+        return tokens.masked_fill_(broken, self.NO_TOKEN)
 
     @staticmethod
     def is_greedy(params: SamplingParams) -> bool:
         """Whether `sample` takes the argmax for these params (temperature 0, or too small to divide by)."""
-        return params.temperature < _MIN_TEMPERATURE
+        return params.greedy
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The distribution sampled from: softmax(logits / T), restricted by top-k then top-p."""
@@ -59,9 +59,10 @@ class Sampler:
             return scaled.softmax(dim=-1)  # [B, V]: nothing to cut, so no sort
         sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
         vocab = logits.shape[1]
-        rank = torch.arange(vocab, device=device)  # [V]
-        k = torch.where(top_k > 0, top_k, vocab)  # [B]
-        sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+        k = torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)  # [B]
+        # Tokens tied with the k-th are kept, as transformers' TopKLogitsWarper and vLLM keep them.
+        kth = sorted_logits.gather(1, (k - 1)[:, None])  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)  # [B, V]
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V]
         # top_p == 1 keeps everything even where rounding pushes the cumulative mass past 1;
@@ -72,11 +73,37 @@ class Sampler:
         return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)  # [B, V]
 
     def _race(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        vocab = probs.shape[1]
-        noise = []
-        for g in generators:
-            g = self._default if g is None else g
-            q = torch.empty(vocab, device=g.device).exponential_(generator=g)  # [V]
-            noise.append(q.to(probs.device))
-        q = torch.stack(noise).clamp_min_(torch.finfo(torch.float32).tiny)  # [B, V]
-        return (probs / q).argmax(dim=-1)  # [B]
+        rows, vocab = probs.shape
+        # Seeded rows each from their own generator; the unseeded ones in one draw, on the device.
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == rows:
+            q = _exponential(rows, vocab, self._default(probs.device))  # [R, V]
+        else:
+            q = torch.empty_like(probs)  # [R, V]
+            for i, g in enumerate(generators):
+                if g is not None:
+                    q[i] = _exponential(1, vocab, g)[0]
+            if unseeded:
+                q[torch.tensor(unseeded, device=probs.device)] = _exponential(
+                    len(unseeded), vocab, self._default(probs.device))
+        q.clamp_min_(torch.finfo(torch.float32).tiny)
+        return (probs / q).argmax(dim=-1)  # [R]
+
+    def _default(self, device: torch.device) -> torch.Generator:
+        g = self._defaults.get(device)
+        if g is None:
+            g = self._defaults[device] = torch.Generator(device=device)
+            if self._seed is None:
+                g.seed()
+            else:
+                g.manual_seed(self._seed)
+        return g
+
+
+def _exponential(rows: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] float32 on the generator's device. On the CPU it is -log of float64
+    uniforms: as fine-grained as exponential_ (which draws float64 there too) and 2-3x faster."""
+    if generator.device.type == "cpu":
+        u = torch.empty(rows, vocab, dtype=torch.float64).uniform_(generator=generator)  # [R, V] in [0, 1)
+        return u.log_().neg_().float()
+    return torch.empty(rows, vocab, device=generator.device).exponential_(generator=generator)

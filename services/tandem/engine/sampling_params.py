@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 
 
@@ -15,6 +16,13 @@ class InvalidRequest(ValueError):
 
 
 DEFAULT_MAX_TOKENS = 16
+
+# The token sampled for a sequence whose logits hold a NaN or +inf, or nothing finite: the model went
+# wrong for it, and the scheduler finishes it with "error" (tandem.engine.sampler).
+NO_TOKEN = -1
+
+# A temperature below this samples greedily: dividing by it would overflow float32 (vLLM's _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
 
 
 class DuplicateRequest(InvalidRequest):
@@ -29,7 +37,7 @@ class SamplingParams:
     # None: DEFAULT_MAX_TOKENS, or fewer where the context ends first (the request then finishes
     # with "length" at the context's end, as vLLM's does). One that is set must fit the context.
     max_tokens: int | None = None
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
     seed: int | None = None
@@ -38,8 +46,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "stop", tuple(self.stop))
+        self._check_kinds()
+        # One string is one stop string (as vLLM takes it), not a tuple of its characters.
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not isinstance(s, str) for s in self.stop):
+            raise InvalidRequest("stop", f"must be strings, got {self.stop!r}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids", f"must be token ids >= 0, got {self.stop_token_ids!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequest("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not 0 <= self.temperature < math.inf:
@@ -54,13 +68,33 @@ class SamplingParams:
                                       or not -(1 << 63) <= self.seed < 1 << 64):
             raise InvalidRequest("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
+    def _check_kinds(self) -> None:
+        if self.max_tokens is not None and not _is_int(self.max_tokens):
+            raise InvalidRequest("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+        if not _is_int(self.top_k):
+            raise InvalidRequest("top_k", f"must be an integer, got {self.top_k!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise InvalidRequest(name, f"must be a number, got {value!r}")
+        if not isinstance(self.stop, (str, list, tuple)):
+            raise InvalidRequest("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidRequest("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def within(self, room: int) -> SamplingParams:
         """These params with max_tokens resolved for a prompt that leaves `room` tokens of context."""
         return self if self.max_tokens is not None else replace(self, max_tokens=min(DEFAULT_MAX_TOKENS, room))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass

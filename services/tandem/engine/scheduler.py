@@ -31,14 +31,17 @@ between steps.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from tandem.engine.sampling_params import DuplicateRequest, InvalidRequest
+from tandem.engine.sampling_params import NO_TOKEN, DuplicateRequest, InvalidRequest
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.kv.block_manager import CPU, DEVICE, KVBlockManager
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -359,6 +362,11 @@ class Scheduler:
             for i, token in enumerate(tokens):
                 # KV computed: the chunk's tokens, then each earlier token of this step fed back
                 seq.num_computed_tokens = work.start_pos + len(work.token_ids) + i
+                if token == NO_TOKEN:
+                    log.error("request %s: its logits held a NaN or an infinity after %d tokens; finishing it "
+                              "with reason 'error'", seq.request_id, seq.num_output_tokens)
+                    reason, stop_reason = "error", None
+                    break
                 seq.output_token_ids.append(token)
                 reason, stop_reason = self._check_stop(seq, token)
                 if reason is not None:
