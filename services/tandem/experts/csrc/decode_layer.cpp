@@ -154,7 +154,10 @@ void copy_row(const at::Tensor& m, int64_t row, float* out) {
   }
 }
 
-// Softmax over E router logits, the top k (descending), optionally renormalised to sum 1.
+// Softmax over E router logits, the top k (descending), optionally renormalised to sum 1. A token
+// whose logits hold a NaN (its hidden state went bad) still gets k distinct experts in range, with
+// NaN weights: its output stays NaN, which ends that sequence alone (its logits reach the sampler
+// as NaN), where an id of -1 would index out of the experts.
 void route(const float* logits, int64_t T, int64_t E, int64_t k, bool normalize, int64_t* ids, float* wts) {
   std::vector<float> p(E);
   for (int64_t t = 0; t < T; ++t) {
@@ -168,6 +171,9 @@ void route(const float* logits, int64_t T, int64_t E, int64_t k, bool normalize,
       int64_t best = -1;
       for (int64_t e = 0; e < E; ++e)
         if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+      if (best < 0)  // only NaNs left: the first expert not taken yet (k <= E, so there is one)
+        for (int64_t e = 0; e < E && best < 0; ++e)
+          if (p[e] != -1.f) best = e;
       ids[t * k + j] = best;
       wts[t * k + j] = p[best];
       chosen += p[best];
@@ -469,15 +475,17 @@ std::tuple<at::Tensor, std::vector<double>, std::vector<at::Tensor>> decode_laye
   return {rms_norm_f32(x, final_norm, final_eps), std::move(seconds), std::move(ids)};
 }
 
-// Index of the largest of n logits, as torch.argmax picks it: the first of equal maxima, a NaN
-// above any number.
+// The index of the largest of n logits (the first of equal maxima, as torch.argmax), or kNoToken (tandem.engine.sampling_params.NO_TOKEN) when the row
+// holds a NaN or its largest is not finite (+inf, or all -inf): the model went wrong for that
+// sequence, which the scheduler then finishes with "error", as the Python sampler's rows.
+constexpr int64_t kNoToken = -1;
 int64_t argmax_row(const float* l, int64_t n) {
   int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i) {
-    if (std::isnan(l[best])) break;
-    if (l[i] > l[best] || std::isnan(l[i])) best = i;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(l[i])) return kNoToken;
+    if (l[i] > l[best]) best = i;
   }
-  return best;
+  return std::isfinite(l[best]) ? best : kNoToken;
 }
 
 // Greedy decode steps in a row, in one call: a multi-step decode run (tandem.engine's
@@ -551,7 +559,10 @@ std::tuple<std::vector<std::vector<double>>, std::vector<std::vector<at::Tensor>
         decode_layers(layers, x, cos, sin, k_caches, v_caches, slots.select(0, s), block_tables, step_positions + 1,
                       sliding_window, final_norm, final_eps, data_fd, spin_us, timeout_ms);
     head(h, logits);
-    for (int64_t b = 0; b < B; ++b) tp[b * S + s] = current[b] = argmax_row(logits.data_ptr<float>() + b * N, N);
+    for (int64_t b = 0; b < B; ++b) {
+      tp[b * S + s] = argmax_row(logits.data_ptr<float>() + b * N, N);
+      current[b] = std::max<int64_t>(tp[b * S + s], 0);  // a sequence ended by kNoToken is fed a real id
+    }
     seconds.push_back(std::move(layer_seconds));
     expert_ids.push_back(std::move(layer_ids));
     if (!on_step.is_none()) {
