@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def expert_calls(port: int | None) -> tuple[float, float]:
-    """(seconds, count) of the experts process's expert-call histogram so far."""
+    """(seconds, count) of the experts process's forward-latency histogram so far."""
     if port is None:
         return 0.0, 0.0
     from tandem import contract
@@ -41,7 +41,7 @@ def expert_calls(port: int | None) -> tuple[float, float]:
     values = {}
     for line in text.splitlines():
         for suffix in ("_sum", "_count"):
-            if line.startswith(contract.EXPERT_CALL_LATENCY + suffix + " "):
+            if line.startswith(contract.EXPERTS_FORWARD_LATENCY + suffix + " "):
                 values[suffix] = float(line.split()[-1])
     return values["_sum"], values["_count"]
 

@@ -29,19 +29,28 @@ PREFIX_CACHED_TOKENS = "tandem_prefix_cached_tokens"
 RUNNING_REQUESTS = "tandem_running_requests"
 WAITING_REQUESTS = "tandem_waiting_requests"
 KV_BLOCKS_USED = "tandem_kv_blocks_used"  # gauge, label tier
-KV_BLOCKS_TOTAL = "tandem_kv_blocks_total"  # gauge, label tier
+# gauge, label tier: the tier's size (not "_total", which names counters)
+KV_BLOCKS_CAPACITY = "tandem_kv_blocks_capacity"
 EXPERT_CALL_LATENCY = "tandem_expert_call_latency_seconds"
 CPU_ATTENTION_LATENCY = "tandem_cpu_attention_latency_seconds"  # one layer's attention over the CPU KV tier
 OFFLOADED_REQUESTS = "tandem_offloaded_requests"  # gauge: running requests whose KV is on the CPU tier
 # counter: MoE layer calls of prefill chunks whose routed experts ran on the GPU, the weights streamed
 # from host memory (tandem.experts.device_prefill); flat on a GPU node means they run on the CPU
 GPU_PREFILL_EXPERT_CALLS = "tandem_gpu_prefill_expert_calls"
+# The experts process (--role experts) exports these instead of the series above, so that no
+# series is exported by both processes of a pair: the computing of the calls it answers.
+EXPERTS_FORWARD_LATENCY = "tandem_experts_forward_latency_seconds"
+EXPERTS_CPU_ATTENTION_LATENCY = "tandem_experts_cpu_attention_latency_seconds"
 
-# Histogram buckets for latencies: 1 ms to 10 s.
+# Histogram buckets for latencies: 1 ms to 10 s, no bound more than twice the one before from
+# 2.5 ms up, so that a p95 interpolated inside a bucket (the autoscaler's, or histogram_quantile's)
+# is near the truth for GPU decode (ms) and CPU decode (100s of ms to seconds) alike.
 LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1,
-    0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0,
 )
+# Time to first token includes the prefill, which for a long prompt on CPU cores takes minutes.
+TIME_TO_FIRST_TOKEN_BUCKETS = LATENCY_BUCKETS + (20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 # `tandem serve` roles and flags, as the operator renders container commands.
 ROLES = ("all", "attention", "experts")

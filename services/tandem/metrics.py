@@ -3,11 +3,21 @@
 Names and buckets come from `tandem.contract`, which the operator reads too: the autoscaler
 scales on `tandem_inter_token_latency_seconds`. Each `ServingMetrics` has its own registry so
 several servers (tests) can live in one process.
+
+The two processes of a split pair export no series of the same name: the attention process
+times the expert calls it makes (`ServingMetrics`), the experts process the computing of them
+(`ExpertsMetrics`), so that a sum over a pod's targets counts each call once.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import errno
+import socket
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from tandem import contract
 
@@ -24,15 +34,70 @@ OUTCOMES = (
 KV_TIERS = ("device", "cpu")  # the engine's tier names (tandem.kv.cache)
 
 
-class ServingMetrics:
-    """The counters, gauges and histograms a server updates; `serve_http` exposes them."""
+class _Metrics:
+    """A registry of its own, and `serve_http` to expose it."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
+
+    def serve_http(self, port: int, addr: str | None = None) -> "MetricsHTTPServer":
+        """Serves `/metrics` on daemon threads, so no scrape waits for the engine nor the engine for
+        a scrape; returns the HTTP server (`.server_port`, `.close()`).
+
+        `addr` None: every address of the host, IPv6 and IPv4 (a pod on an IPv6-only cluster is
+        scraped at its IPv6 address), or IPv4 alone where the host has no IPv6. OSError when the
+        port cannot be bound."""
+        if not 0 <= port <= 65535:
+            raise ValueError(f"metrics port must be in 0..65535, got {port}")
+        app = make_wsgi_app(self.registry)
+        if addr is None:
+            try:
+                httpd = _make_server("::", port, app)
+            except OSError as exc:
+                no_ipv6 = isinstance(exc, socket.gaierror) or exc.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL)
+                if not no_ipv6:  # the port in use, say
+                    raise
+                httpd = _make_server("0.0.0.0", port, app)
+        else:
+            httpd = _make_server(addr.strip().removeprefix("[").removesuffix("]"), port, app)  # [v6] as in a URL
+        threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
+        return httpd
+
+
+class MetricsHTTPServer(ThreadingWSGIServer):
+    """prometheus_client's threading WSGI server; an IPv6 one takes IPv4 clients too."""
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:  # whatever net.ipv6.bindv6only says
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+    def close(self) -> None:
+        """Stops serving and frees the port (shutdown() alone keeps the socket listening)."""
+        self.shutdown()
+        self.server_close()
+
+
+def _make_server(addr: str, port: int, app) -> MetricsHTTPServer:
+    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("MetricsHTTPServer", (MetricsHTTPServer,), {"address_family": family})
+    return make_server(addr, port, app, server_class, handler_class=_QuietHandler)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - a scrape every few seconds is not news
+        pass
+
+
+class ServingMetrics(_Metrics):
+    """The counters, gauges and histograms a server of the engine updates; `serve_http` exposes them."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        super().__init__(registry)
         reg, buckets = self.registry, contract.LATENCY_BUCKETS
         self.time_to_first_token = Histogram(
             contract.TIME_TO_FIRST_TOKEN, "Seconds from receiving a request to its first token.",
-            buckets=buckets, registry=reg)
+            buckets=contract.TIME_TO_FIRST_TOKEN_BUCKETS, registry=reg)
         self.inter_token_latency = Histogram(
             contract.INTER_TOKEN_LATENCY,
             "Seconds between consecutive generated tokens of a request (decode latency), "
@@ -67,15 +132,15 @@ class ServingMetrics:
         self._gpu_prefill_expert_calls = 0  # the engine's count when last recorded
         self.kv_blocks_used = Gauge(
             contract.KV_BLOCKS_USED, "KV cache blocks in use, per tier.", ["tier"], registry=reg)
-        self.kv_blocks_total = Gauge(
-            contract.KV_BLOCKS_TOTAL, "KV cache blocks, per tier.", ["tier"], registry=reg)
+        self.kv_blocks_capacity = Gauge(
+            contract.KV_BLOCKS_CAPACITY, "KV cache blocks, used or not, per tier.", ["tier"], registry=reg)
         # Export every label value from the start, so dashboards and the operator see zeros
         # rather than missing series.
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
         for tier in KV_TIERS:
             self.kv_blocks_used.labels(tier=tier)
-            self.kv_blocks_total.labels(tier=tier)
+            self.kv_blocks_capacity.labels(tier=tier)
 
     def record_outcome(self, outcome: str) -> None:
         if outcome not in OUTCOMES:
@@ -90,15 +155,24 @@ class ServingMetrics:
         for tier, n in stats.kv_blocks_used.items():
             self.kv_blocks_used.labels(tier=tier).set(n)
         for tier, n in stats.kv_blocks_total.items():
-            self.kv_blocks_total.labels(tier=tier).set(n)
+            self.kv_blocks_capacity.labels(tier=tier).set(n)
         calls = getattr(stats, "gpu_prefill_expert_calls", 0)  # the engine's count since it started
         if calls > self._gpu_prefill_expert_calls:
             self.gpu_prefill_expert_calls.inc(calls - self._gpu_prefill_expert_calls)
             self._gpu_prefill_expert_calls = calls
 
-    def serve_http(self, port: int, addr: str = "0.0.0.0"):
-        """Serves `/metrics` on a daemon thread; returns the HTTP server (`.server_port`, `.shutdown()`)."""
-        if not 0 <= port <= 65535:
-            raise ValueError(f"metrics port must be in 0..65535, got {port}")
-        httpd, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return httpd
+
+class ExpertsMetrics(_Metrics):
+    """What the experts process (`--role experts`) exports: the computing of the calls it answers."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        super().__init__(registry)
+        reg, buckets = self.registry, contract.LATENCY_BUCKETS
+        self.forward_latency = Histogram(
+            contract.EXPERTS_FORWARD_LATENCY,
+            "Seconds computing one Forward (one MoE layer, one step), waiting for other calls excluded.",
+            buckets=buckets, registry=reg)
+        self.cpu_attention_latency = Histogram(
+            contract.EXPERTS_CPU_ATTENTION_LATENCY,
+            "Seconds computing one CpuAttention call (one layer, one step) over the CPU KV tier.",
+            buckets=buckets, registry=reg)

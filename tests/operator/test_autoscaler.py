@@ -18,7 +18,7 @@ from tandem_operator.spec import AutoscalingSpec
 RECORDED = "\n".join([
     "# HELP tandem_inter_token_latency_seconds Time between tokens.",
     "# TYPE tandem_inter_token_latency_seconds histogram",
-    *[f'tandem_inter_token_latency_seconds_bucket{{le="{le}"}} {0.0 if le < 0.025 else 90.0 if le < 0.5 else 100.0}'
+    *[f'tandem_inter_token_latency_seconds_bucket{{le="{le}"}} {0.0 if le < 0.02 else 90.0 if le < 0.3 else 100.0}'
       for le in contract.LATENCY_BUCKETS],
     'tandem_inter_token_latency_seconds_bucket{le="+Inf"} 100.0',
     "tandem_inter_token_latency_seconds_count 100.0",
@@ -31,9 +31,9 @@ SPEC = AutoscalingSpec(enabled=True, minReplicas=1, maxReplicas=10, targetP95Int
 
 def test_p95_interpolates_inside_the_bucket():
     (hist,) = parse_histograms(RECORDED, contract.INTER_TOKEN_LATENCY).values()
-    # rank 95 lies in (0.25, 0.5], which holds observations 91..100: halfway through it.
-    assert quantile(0.95, hist) == pytest.approx(0.25 + 0.25 * 0.5)
-    assert quantile(0.5, hist) == pytest.approx(0.01 + 0.015 * (50 / 90))
+    # rank 95 lies in (0.2, 0.3], which holds observations 91..100: halfway through it.
+    assert quantile(0.95, hist) == pytest.approx(0.2 + 0.1 * 0.5)
+    assert quantile(0.5, hist) == pytest.approx(0.015 + 0.005 * (50 / 90))
 
 
 def test_p95_of_the_window_uses_bucket_deltas():

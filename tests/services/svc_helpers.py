@@ -67,7 +67,7 @@ def token_ids(responses) -> list[int]:
 class ServeProcess:
     """A real `tandem serve` process. Reads its log on a thread to learn the bound addresses."""
 
-    LISTENING = re.compile(r"listening on (\S+?)(?:;|$)(?:.*metrics on http://[^:]+:(\d+)/metrics)?")
+    LISTENING = re.compile(r"listening on (\S+?)(?:;|$)(?:.*metrics on http://\S+:(\d+)/metrics)?")  # host [::] too
 
     def __init__(self, *args: str, wait: bool = True):
         """Starts `tandem serve *args`; with wait=False, call wait_listening() before using the addresses."""

@@ -38,6 +38,8 @@ def test_defaults_follow_the_contract(tmp_path):
     assert opts.metrics_port == contract.METRICS_PORT
     # The experts container shares the pod's network namespace: its metrics need their own port.
     assert parse("--model", str(tmp_path), "--role", "experts").metrics_port == contract.EXPERTS_METRICS_PORT
+    assert opts.metrics_host is None  # every address, IPv6 and IPv4: the operator renders no --metrics-host
+    assert parse("--model", str(tmp_path), "--metrics-host", "127.0.0.1").metrics_host == "127.0.0.1"
 
 
 def test_experts_are_page_locked_unless_asked_not_to(tmp_path):

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from tandem import contract
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.metrics import ServingMetrics
@@ -148,3 +149,36 @@ async def test_a_dead_loop_fails_its_requests_and_queued_callers_and_refuses_new
     assert [type(e) for e in loop.fatal] == [RuntimeError]
     with pytest.raises(ServerUnavailable, match="serving loop stopped"):
         await loop.submit("after", PROMPT, params(5))
+
+
+async def test_a_request_cancelled_during_its_admission_counts_once(loop, monkeypatch):
+    from tandem.rpc.gen import inference_pb2
+    from tandem.rpc.inference_server import InferenceServicer
+
+    entered, release = threading.Event(), threading.Event()
+    add_request = loop.engine.add_request
+
+    def slow_add(*args):  # the caller gives up while the loop thread admits its request
+        entered.set()
+        release.wait(10)
+        return add_request(*args)
+
+    monkeypatch.setattr(loop.engine, "add_request", slow_add)
+    servicer = InferenceServicer(loop.metrics)
+    servicer.attach(loop, {})
+    request = inference_pb2.GenerateRequest(
+        prompt_token_ids=PROMPT, sampling=inference_pb2.SamplingParams(max_tokens=200, temperature=0.0))
+
+    async def read():
+        async for _ in servicer.Generate(request, context=None):
+            pass
+
+    handler = asyncio.create_task(read())
+    assert await asyncio.to_thread(entered.wait, 10)
+    handler.cancel()  # the client disconnects
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    await loop.run_on_engine(lambda engine: None)  # after the abort the cancellation queued
+    value = loop.metrics.registry.get_sample_value
+    assert value(contract.REQUESTS + "_total", {"outcome": "cancelled"}) == 1

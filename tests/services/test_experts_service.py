@@ -381,7 +381,7 @@ async def test_decode_frames_are_served_natively_and_the_rest_by_python(start_se
         import urllib.request
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
-        line = next(l for l in text.splitlines() if l.startswith(contract.EXPERT_CALL_LATENCY + "_count"))
+        line = next(l for l in text.splitlines() if l.startswith(contract.EXPERTS_FORWARD_LATENCY + "_count"))
         return float(line.split()[-1])
 
     before_served, before_count = native_end.served, latency_count()

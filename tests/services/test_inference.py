@@ -379,3 +379,25 @@ async def test_prefix_cache_hits_are_reported_and_counted(start_server, model_di
     assert first[-1].usage.cached_tokens == 0
     assert again[-1].usage.cached_tokens == 32 and token_ids(again) == token_ids(first)
     assert scrape(server.metrics_port)[(contract.PREFIX_CACHED_TOKENS + "_total", ())] == 32
+
+
+async def test_ports_that_cannot_be_bound_are_refused_naming_the_flag(start_server, model_dir, caplog):
+    from tandem.rpc.server import ServeOptions, serve
+
+    model = str(model_dir("mixtral"))
+    first = await start_server(model=model, metrics_port=0, wait_serving=False)
+    grpc_port = int(first.address.rpartition(":")[2])
+    cases = (  # (--listen, --metrics-port, what the one log line says)
+        (f"127.0.0.1:{grpc_port}", None, f"--listen 127.0.0.1:{grpc_port}: cannot bind"),  # not half its clients
+        ("127.0.0.1:0", first.metrics_port, f"--metrics-port: cannot serve /metrics on port {first.metrics_port}"),
+    )
+    for listen, metrics_port, message in cases:
+        caplog.clear()
+        opts = ServeOptions(model=model, listen=listen, metrics_port=metrics_port, device="cpu")
+        assert await asyncio.wait_for(serve(opts, stop=asyncio.Event()), 30) == 2  # as a bad flag: no traceback
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and message in errors[0], errors
+    # the refused servers left nothing bound: a server stopped frees its ports for the next
+    assert await first.close() == 0
+    again = await start_server(model=model, listen=f"127.0.0.1:{grpc_port}", metrics_port=first.metrics_port)
+    assert scrape(again.metrics_port)[(contract.REQUESTS + "_total", (("outcome", "stop"),))] == 0

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import contract
-from tandem.metrics import OUTCOMES, ServingMetrics
+from tandem.metrics import OUTCOMES, ExpertsMetrics, ServingMetrics
 
 
-def scrape(port: int) -> dict[str, dict[tuple, float]]:
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, dict[tuple, float]]:
     """{sample name: {sorted label items: value}} from /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     samples: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(text):
@@ -64,7 +66,11 @@ def test_counters_and_gauges_by_label(metrics):
     assert samples[contract.RUNNING_REQUESTS][()] == 3
     assert samples[contract.WAITING_REQUESTS][()] == 3  # swapped-out requests wait too
     assert samples[contract.KV_BLOCKS_USED][(("tier", "device"),)] == 5
-    assert samples[contract.KV_BLOCKS_TOTAL][(("tier", "cpu"),)] == 32
+    assert samples[contract.KV_BLOCKS_CAPACITY][(("tier", "cpu"),)] == 32
+    # a gauge: no "_total", which Prometheus's conventions (and promtool) keep for counters
+    counters = (contract.REQUESTS, contract.PROMPT_TOKENS, contract.GENERATED_TOKENS, contract.PREFIX_CACHED_TOKENS,
+                contract.GPU_PREFILL_EXPERT_CALLS)
+    assert not [name for name in samples if name.endswith("_total") and name.removesuffix("_total") not in counters]
 
     # the engine counts its GPU prefill calls since it started; the counter follows it
     counted = contract.GPU_PREFILL_EXPERT_CALLS + "_total"
@@ -89,3 +95,121 @@ def test_two_servers_in_one_process_do_not_share_metrics():
     a.generated_tokens.inc(3)
     assert b.registry.get_sample_value(contract.GENERATED_TOKENS + "_total") == 0
     assert a.registry.get_sample_value(contract.GENERATED_TOKENS + "_total") == 3
+
+
+def test_neighbouring_latency_buckets_are_at_most_twice_apart():
+    # The autoscaler's p95 (and histogram_quantile's) interpolates linearly inside a bucket: a bucket
+    # from 100 to 250 ms put a CPU decode's p95 anywhere in it, up to 40 % off the truth.
+    for buckets in (contract.LATENCY_BUCKETS, contract.TIME_TO_FIRST_TOKEN_BUCKETS):
+        bounds = [b for b in buckets if b >= 0.0025]
+        assert all(hi <= 2 * lo for lo, hi in zip(bounds, bounds[1:])), buckets
+    assert contract.LATENCY_BUCKETS[0] == 0.001 and contract.LATENCY_BUCKETS[-1] == 10.0
+    # the prefill of a long prompt on CPU cores takes minutes: its TTFT must not read as "over 10 s"
+    m = ServingMetrics()
+    m.time_to_first_token.observe(95.0)
+    value = m.registry.get_sample_value
+    assert value(contract.TIME_TO_FIRST_TOKEN + "_bucket", {"le": "80.0"}) == 0
+    assert value(contract.TIME_TO_FIRST_TOKEN + "_bucket", {"le": "160.0"}) == 1
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def test_metrics_are_served_on_ipv6_and_ipv4_by_default():
+    # The operator renders --listen [::]:50051; a pod on an IPv6-only cluster is scraped (by the
+    # operator and by Prometheus) at its IPv6 address, so /metrics must listen there too.
+    if not _has_ipv6_loopback():
+        pytest.skip("no IPv6 on this host")
+    m = ServingMetrics()
+    m.generated_tokens.inc(2)
+    httpd = m.serve_http(0)
+    try:
+        for host in ("127.0.0.1", "[::1]"):
+            assert scrape(httpd.server_port, host)[contract.GENERATED_TOKENS + "_total"][()] == 2
+    finally:
+        httpd.close()
+
+
+def test_a_host_without_ipv6_serves_metrics_on_ipv4(monkeypatch):
+    import errno
+
+    from tandem.metrics import MetricsHTTPServer
+
+    bind = MetricsHTTPServer.server_bind
+
+    def no_ipv6(self):  # as with net.ipv6.conf.all.disable_ipv6=1
+        if self.address_family == socket.AF_INET6:
+            raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+        bind(self)
+
+    monkeypatch.setattr(MetricsHTTPServer, "server_bind", no_ipv6)
+    httpd = ServingMetrics().serve_http(0)
+    try:
+        assert httpd.server_address[0] == "0.0.0.0"
+        assert contract.GENERATED_TOKENS + "_total" in scrape(httpd.server_port)
+    finally:
+        httpd.close()
+
+
+def test_a_closed_endpoint_frees_its_port():
+    m = ServingMetrics()
+    httpd = m.serve_http(0, "127.0.0.1")
+    port = httpd.server_port
+    httpd.close()
+    again = m.serve_http(port, "127.0.0.1")  # a server restarted in the same process gets it back
+    try:
+        assert contract.GENERATED_TOKENS + "_total" in scrape(port)
+    finally:
+        again.close()
+
+
+def test_the_two_processes_of_a_pair_export_no_series_of_the_same_name():
+    # A pod's two containers are two targets: a sum over them would count each expert call twice
+    # (once as the attention side's round trip, once as the experts side's computing).
+    def families(metrics):
+        text = generate_latest(metrics.registry).decode()
+        return {f.name for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
+
+    attention, experts = families(ServingMetrics()), families(ExpertsMetrics())
+    assert contract.EXPERT_CALL_LATENCY in attention and contract.CPU_ATTENTION_LATENCY in attention
+    assert experts == {contract.EXPERTS_FORWARD_LATENCY, contract.EXPERTS_CPU_ATTENTION_LATENCY}
+    assert not attention & experts
+
+
+_SPEC = {"model": {"path": "mixtral", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+         "image": "ghcr.io/example/tandem:0.1.0"}
+
+
+def test_the_operator_reads_the_inter_token_latency_the_server_exports():
+    # The contract between the two sides: the histogram's name and buckets as the operator parses a
+    # pod's /metrics at the port the attention container names `metrics`, and as its default
+    # Prometheus query selects it.
+    from tandem_operator import containers, metrics_source
+    from tandem_operator.histogram import count, quantile
+    from tandem_operator.spec import parse_spec
+
+    m = ServingMetrics()
+    for seconds in (0.12,) * 19 + (0.35,):
+        m.inter_token_latency.observe(seconds)
+    m.time_to_first_token.observe(0.5)  # another histogram, not read
+    httpd = m.serve_http(0, "127.0.0.1")
+    try:
+        attention = containers.build_attention_container(parse_spec(_SPEC))
+        (port,) = [p for p in attention["ports"] if p["name"] == "metrics"]
+        assert port["containerPort"] == contract.METRICS_PORT
+        flags = attention["command"] + attention.get("args", [])
+        assert flags[flags.index(contract.SERVE_FLAGS["metrics_port"]) + 1] == str(contract.METRICS_PORT)
+        port["containerPort"] = httpd.server_port  # this test's server, as if it were the pod's
+        pod = {"metadata": {"name": "p"}, "spec": {"containers": [attention]}, "status": {"podIP": "127.0.0.1"}}
+        histogram = metrics_source.scrape_pod(pod)
+    finally:
+        httpd.close()
+    assert count(histogram) == 20
+    assert 0.1 < quantile(0.5, histogram) <= 0.15 and 0.3 < quantile(0.99, histogram) <= 0.4
+    assert f"increase({contract.INTER_TOKEN_LATENCY}_bucket{{" in metrics_source.DEFAULT_PROMETHEUS_QUERY

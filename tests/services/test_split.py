@@ -67,14 +67,17 @@ async def test_split_pair_generates_what_the_embedded_server_does(serve_process,
     assert split == alone
     assert all(len(ids) == 12 for ids in split)
 
-    # Both sides count what they did: the attention side times each expert call it makes.
+    # Both sides count what they did, under names of their own (a sum over a pod's two targets counts
+    # each call once): the attention side times each expert call it makes, the experts side computing it.
     moe_layers = 1 if arch == "qwen2_moe" else 2  # the qwen2_moe demo has one dense (mlp_only) layer
     calls = scrape(attention.metrics_port)[(contract.EXPERT_CALL_LATENCY + "_count", ())]
     assert calls >= moe_layers * 12 and calls % moe_layers == 0
     # The experts process observes the frames its native end answered once that end returns to
     # Python, just after the last answer: poll for it.
-    count = (contract.EXPERT_CALL_LATENCY + "_count", ())
+    count = (contract.EXPERTS_FORWARD_LATENCY + "_count", ())
     assert await eventually(lambda: scrape(experts.metrics_port)[count], calls) == calls
+    names = [{name for name, _ in scrape(proc.metrics_port)} for proc in (attention, experts)]
+    assert not names[0] & names[1]
     assert scrape(attention.metrics_port)[(contract.GENERATED_TOKENS + "_total", ())] == 36
 
     if arch == "mixtral":  # `tandem generate --server` prints what the local command prints
@@ -149,7 +152,7 @@ async def test_offloaded_sequences_decode_on_the_experts_process(serve_process, 
     assert split == alone and all(len(ids) == 24 for ids in split)
 
     count = (contract.CPU_ATTENTION_LATENCY + "_count", ())
-    remote_calls = scrape(experts.metrics_port)[count]
+    remote_calls = scrape(experts.metrics_port)[(contract.EXPERTS_CPU_ATTENTION_LATENCY + "_count", ())]
     assert remote_calls > 0 and scrape(attention.metrics_port)[count] == remote_calls
     assert scrape(embedded.metrics_port)[count] > 0  # in-process there
     metrics = scrape(attention.metrics_port)

@@ -26,6 +26,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="port of the Prometheus /metrics endpoint; 0 picks a free one (default "
                         f"{contract.METRICS_PORT}, or {contract.EXPERTS_METRICS_PORT} for --role experts, "
                         "which shares the pod's network with the attention role)")
+    p.add_argument("--metrics-host", metavar="ADDR",
+                   help="address the /metrics endpoint listens on, e.g. 127.0.0.1 (default: every address, "
+                        "IPv6 and IPv4)")
     p.add_argument(F["role"], choices=contract.ROLES, default="all",
                    help="all: everything in one process (default); attention: all but the routed experts, "
                         "calling --experts; experts: only the routed experts")
@@ -95,7 +98,7 @@ def options_from_args(args):
     if metrics_port is None:
         metrics_port = contract.EXPERTS_METRICS_PORT if args.role == "experts" else contract.METRICS_PORT
     return ServeOptions(
-        model=args.model, listen=args.listen, metrics_port=metrics_port, role=args.role,
+        model=args.model, listen=args.listen, metrics_port=metrics_port, metrics_host=args.metrics_host, role=args.role,
         experts=args.experts, kv_shm=args.kv_shm, experts_shm=args.experts_shm, device=args.device, dtype=args.dtype,
         threads=args.threads,
         block_size=args.block_size, gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib,

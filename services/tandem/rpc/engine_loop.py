@@ -110,8 +110,8 @@ class EngineLoop:
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:  # the caller is gone (deadline, disconnect): take the request out again
-            with contextlib.suppress(ServerUnavailable):
-                self.abort(request_id, stream.queue)
+            with contextlib.suppress(ServerUnavailable):  # not counted: the caller, handed no queue, counts it
+                self._call(lambda: self._abort(request_id, notify=False, queue=stream.queue, counted=False))
             raise
         return stream.queue
 
@@ -287,8 +287,9 @@ class EngineLoop:
         self.metrics.prompt_tokens.inc(len(ids))
         done.set_result(None)
 
-    def _abort(self, request_id: str, notify: bool, queue: asyncio.Queue | None = None) -> None:
-        """Aborts `request_id`, or nothing when `queue` is given and is not that request's."""
+    def _abort(self, request_id: str, notify: bool, queue: asyncio.Queue | None = None, counted: bool = True) -> None:
+        """Aborts `request_id`, or nothing when `queue` is given and is not that request's; `counted`:
+        its outcome counts as cancelled here."""
         stream = self._streams.get(request_id)
         if queue is not None and (stream is None or stream.queue is not queue):
             return  # finished already (its id maybe reused since): not ours to abort
@@ -297,7 +298,8 @@ class EngineLoop:
         self.metrics.record_engine_stats(self.engine.stats())  # its blocks are free now
         if stream is None:
             return
-        self.metrics.record_outcome("cancelled")
+        if counted:
+            self.metrics.record_outcome("cancelled")
         if notify:
             output = output or RequestOutput(request_id)
             output.finished, output.finish_reason = True, "cancelled"

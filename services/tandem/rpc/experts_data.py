@@ -96,7 +96,7 @@ class DataPlaneServer:
             return wire.recv_request(conn, self.spin_us)
         status, seconds, *rest = wire.serve_native(native, conn, self.spin_us)
         for s in seconds:
-            self.servicer.metrics.expert_call_latency.observe(s)
+            self.servicer.metrics.forward_latency.observe(s)
         if status == wire.SERVED_FAILING:
             log.error("native expert forward failed: %s", rest[0])
         return tuple(rest) if status == wire.FOR_PYTHON else None

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem import contract
-from tandem.metrics import ServingMetrics
+from tandem.metrics import ExpertsMetrics, ServingMetrics
 from tandem.rpc import experts_server, inference_server, loading
 from tandem.rpc.addresses import check_address, prepare_unix_socket, with_bound_port
 from tandem.rpc.cpu_attention import CpuAttention, SharedCpuKV, publish_layout, withdraw_layout
@@ -34,14 +34,18 @@ from tandem.rpc.experts_data import DataPlaneServer
 log = logging.getLogger("tandem.serve")
 
 MESSAGE_LIMIT = 1 << 30  # expert calls carry [T, H] activations: far above gRPC's 4 MiB default
+# gRPC binds with SO_REUSEPORT on Linux, so a second server on a port in use would start and take
+# half of its connections: refused instead, as any other server's bind is.
+EXCLUSIVE_PORT = (("grpc.so_reuseport", 0),)
 SERVER_OPTIONS = (
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+    *EXCLUSIVE_PORT,
 )
 # The public API takes prompts: 16 MiB holds a million token ids, or several times any context's
 # text. A larger request is refused (RESOURCE_EXHAUSTED) before it is read.
 REQUEST_LIMIT = 16 << 20
-INFERENCE_OPTIONS = (("grpc.max_receive_message_length", REQUEST_LIMIT),)
+INFERENCE_OPTIONS = (("grpc.max_receive_message_length", REQUEST_LIMIT), *EXCLUSIVE_PORT)
 
 
 # What only the engine (--role all, attention) reads, by ServeOptions field. --block-size and
@@ -64,6 +68,7 @@ class ServeOptions:
     model: str
     listen: str = f"0.0.0.0:{contract.GRPC_PORT}"
     metrics_port: int | None = contract.METRICS_PORT  # None: no /metrics endpoint
+    metrics_host: str | None = None  # None: every address, IPv6 and IPv4
     role: str = "all"
     experts: str | None = None
     kv_shm: str | None = None
@@ -124,6 +129,8 @@ class ServeOptions:
             raise ValueError(f"--num-device-blocks must be at least 1, got {self.num_device_blocks}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if self.metrics_host is not None and not self.metrics_host.strip("[] "):
+            raise ValueError("--metrics-host: an empty address")
         if not 0 <= self.shutdown_grace_s < math.inf:  # NaN fails too
             raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {self.shutdown_grace_s}")
         if not 0 < self.expert_timeout_s < math.inf:
@@ -216,7 +223,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
     {"address": bound address, "metrics_port": port or None} once it listens.
     """
     loop = asyncio.get_running_loop()
-    metrics = ServingMetrics()
+    metrics = ExpertsMetrics() if opts.role == "experts" else ServingMetrics()
     server = grpc.aio.server(options=SERVER_OPTIONS if opts.role == "experts" else INFERENCE_OPTIONS)
     health_state = Health(server, opts.service)
     if opts.role == "experts":
@@ -230,13 +237,16 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
     await health_state.set(False)
     await health_state.set_alive(False)
 
-    prepare_unix_socket(opts.listen)
-    port = server.add_insecure_port(opts.listen)
+    try:
+        port, httpd = _listen(server, metrics, opts)
+    except ValueError as exc:  # found before the server starts, as a bad flag is: exit code 2
+        log.error("cannot listen: %s", exc)
+        await server.stop(grace=0)
+        return 2
     await server.start()
-    httpd = metrics.serve_http(opts.metrics_port) if opts.metrics_port is not None else None
     address = with_bound_port(opts.listen, port)
     log.info("role %s listening on %s%s", opts.role, address,
-             f"; metrics on http://0.0.0.0:{httpd.server_port}/metrics" if httpd else "")
+             f"; metrics on {_metrics_url(httpd)}" if httpd else "")
     if started is not None:
         started.set_result({"address": address, "metrics_port": httpd.server_port if httpd else None})
 
@@ -317,7 +327,30 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
         if data_plane is not None:
             data_plane.close()
         if httpd is not None:
-            httpd.shutdown()
+            httpd.close()  # the port is free once serve() returns
+
+
+def _listen(server: grpc.aio.Server, metrics, opts: ServeOptions):
+    """Binds --listen and the metrics endpoint: (the gRPC port bound, the metrics HTTP server or
+    None). ValueError naming the flag when either cannot be bound, with nothing left bound."""
+    prepare_unix_socket(opts.listen)
+    try:
+        port = server.add_insecure_port(opts.listen)
+    except RuntimeError:  # gRPC's own message says only "failed to bind", and logs the reason
+        raise ValueError(f"--listen {opts.listen}: cannot bind it (in use, or not an address of this "
+                         f"host)") from None
+    if opts.metrics_port is None:
+        return port, None
+    try:
+        return port, metrics.serve_http(opts.metrics_port, opts.metrics_host)
+    except OSError as exc:  # in use, or --metrics-host not an address of this host
+        where = f"{opts.metrics_host} port {opts.metrics_port}" if opts.metrics_host else f"port {opts.metrics_port}"
+        raise ValueError(f"--metrics-port: cannot serve /metrics on {where}: {exc.strerror or exc}") from None
+
+
+def _metrics_url(httpd) -> str:
+    host = httpd.server_address[0]
+    return f"http://{f'[{host}]' if ':' in host else host}:{httpd.server_port}/metrics"
 
 
 async def _release_withdrawn_tier(cpu_kv: SharedCpuKV, period_s: float = 1.0) -> None:
@@ -340,7 +373,7 @@ async def _wait_loaded(load: concurrent.futures.Future, stop: asyncio.Event):
     return None
 
 
-def _load(opts: ServeOptions, metrics: ServingMetrics):
+def _load(opts: ServeOptions, metrics):
     if opts.role == "experts":
         return loading.load_experts(opts)
     if opts.role == "all":
