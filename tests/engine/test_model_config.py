@@ -66,3 +66,35 @@ def test_a_window_on_some_layers_only_is_refused():
 def test_experts_per_token_lie_between_one_and_the_experts(arch, top_k):
     with pytest.raises(ModelError, match=rf"num_experts_per_tok {top_k} must lie in \[1, 8\]"):
         config(arch, num_experts_per_tok=top_k)
+
+
+@pytest.mark.parametrize("generation_eos, want", [
+    ([7, 2], (2, 7)),  # config.json's first, each id once
+    (9, (2, 9)),
+    (None, (2,)),
+])
+def test_generation_config_adds_its_eos_tokens_as_transformers_generate_stops_on_them(tmp_path, generation_eos, want):
+    import json
+
+    from transformers import GenerationConfig
+
+    from tandem.model.config import load_config
+
+    demo_config("mixtral", 300, eos_token_id=2, architectures=["MixtralForCausalLM"]).save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    cfg = load_config(tmp_path)
+    assert cfg.eos_token_ids == want
+    reference = GenerationConfig.from_pretrained(tmp_path).eos_token_id  # what generate() stops on
+    reference = [] if reference is None else reference if isinstance(reference, list) else [reference]
+    assert set(reference) <= set(cfg.eos_token_ids)
+
+
+def test_a_bad_generation_config_eos_is_refused_naming_the_file(tmp_path):
+    import json
+
+    from tandem.model.config import load_config
+
+    demo_config("mixtral", 300, eos_token_id=2, architectures=["MixtralForCausalLM"]).save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ModelError, match="generation_config.json: eos_token_id must be a token id"):
+        load_config(tmp_path)

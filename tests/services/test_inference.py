@@ -140,6 +140,8 @@ async def test_full_waiting_queue_is_resource_exhausted(start_server, model_dir)
         running = stub.Generate(greedy([5, 6], max_tokens=250))
         await running.read()  # running now; the one-sequence batch is full
         waiting = stub.Generate(greedy([7, 8], max_tokens=4))
+        # queued before the next is sent: two calls in flight at once may reach the server in either order
+        await eventually(lambda: scrape(server.metrics_port), lambda m: m[(contract.WAITING_REQUESTS, ())] == 1)
         refused = stub.Generate(greedy([9, 10], max_tokens=4))
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await refused.read()

@@ -6,6 +6,7 @@ Parsing goes through transformers' own config classes, so legacy fields (`rope_t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,24 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ModelError(f"{path}: transformers cannot read it: {' '.join(str(exc).split())}") from None
     if hf.model_type != SUPPORTED_ARCHITECTURES[arch]:
         raise ModelError(f"{path}: model_type {hf.model_type!r} is not {arch}'s {SUPPORTED_ARCHITECTURES[arch]!r}")
-    return from_hf_config(arch, hf)
+    cfg = from_hf_config(arch, hf)
+    generation_eos = _generation_eos(model_dir / "generation_config.json")
+    if generation_eos:  # config.json's first, then any generation_config.json adds
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos)))
+    return cfg
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    """The eos_token_id of generation_config.json, which transformers' generate and vLLM stop on too:
+    chat models list more end tokens there than config.json (Qwen3's holds both <|im_end|> and
+    <|endoftext|>). () without the file or the field."""
+    if not path.is_file():
+        return ()
+    eos = read_json(path).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def read_json(path: Path) -> dict:
