@@ -171,6 +171,58 @@ def test_top_k_keeps_every_token_tied_with_the_kth_as_transformers_and_vllm_do(t
     assert torch.allclose(ours, theirs, atol=1e-6)
 
 
+@pytest.mark.parametrize("params, scale, round_to, sorts", [
+    # A vocabulary past sampler.CANDIDATES: the cut is made among the most likely tokens, without a
+    # sort of the vocabulary, wherever it cannot reach past them (sorts: whether it sorted it).
+    (SamplingParams(temperature=0.5, top_p=0.8), 4.0, None, False),
+    (SamplingParams(temperature=1.0, top_p=0.4), 0.3, None, False),  # the candidates hold half the mass
+    (SamplingParams(temperature=1.3, top_k=7), 1.0, None, False),
+    (SamplingParams(temperature=2.0, top_k=40, top_p=0.5), 1.0, None, False),
+    (SamplingParams(temperature=1.0, top_k=10), 1.0, 0.5, False),  # ties at the k-th
+    (SamplingParams(temperature=1.0, top_p=0.9), 4.0, 0.25, False),  # ties where top_p falls
+    (SamplingParams(temperature=1.0, top_p=0.9), 0.01, None, True),  # flat: 90% needs most tokens
+    (SamplingParams(temperature=1.0, top_k=1023), 1.0, 1.0, True),  # the k-th tied with the 1024th
+    (SamplingParams(temperature=1.0, top_k=2500), 1.0, None, False),  # as many candidates as k needs
+    (SamplingParams(temperature=1.0, top_k=4999), 1.0, None, True),  # then as many as the vocabulary
+], ids=repr)
+def test_a_large_vocabulary_is_cut_as_transformers_warpers_cut_it(monkeypatch, params, scale, round_to, sorts):
+    from tandem.engine import sampler
+
+    logits = random_logits(4, 5000, seed=7) * scale
+    if round_to is not None:
+        logits = (logits / round_to).round() * round_to
+    calls = []
+    full_sort = sampler._cut
+    monkeypatch.setattr(sampler, "_cut", lambda *a: (calls.append(1), full_sort(*a))[1])
+    ours = Sampler().probs(logits, [params] * 4)
+    theirs = transformers_probs(logits, params)
+    assert ((ours > 0) == (theirs > 0)).all()
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    assert bool(calls) == sorts
+
+
+def test_a_flat_row_takes_eight_times_the_candidates_before_a_sort(monkeypatch):
+    from tandem.engine import sampler
+
+    logits = random_logits(2, 20000, seed=9) * 0.3  # top_p 0.5 needs ~2.5k tokens: more than 1024, under 8192
+    widths = []
+    among = sampler._cut_among_candidates
+    monkeypatch.setattr(sampler, "_cut_among_candidates", lambda *a: (widths.append(a[3]), among(*a))[1])
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    ours = Sampler().probs(logits, [params] * 2)
+    assert widths == [sampler.CANDIDATES, 8 * sampler.CANDIDATES]
+    assert torch.allclose(ours, transformers_probs(logits, params), atol=1e-6)
+
+
+def test_rows_that_cut_and_rows_that_do_not_share_a_batch():
+    logits = random_logits(4, 5000, seed=8) * 4
+    params = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.5, top_p=0.7),
+              SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.2)]
+    ours = Sampler().probs(logits, params)
+    for row, p in enumerate(params):
+        assert torch.allclose(ours[row], transformers_probs(logits[row:row + 1], p)[0], atol=1e-6), p
+
+
 BROKEN = {"nan": float("nan"), "+inf": float("inf")}
 
 
