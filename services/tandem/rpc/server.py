@@ -240,7 +240,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
     try:
         port, httpd = _listen(server, metrics, opts)
     except ValueError as exc:  # found before the server starts, as a bad flag is: exit code 2
-        log.error("cannot listen: %s", exc)
+        log.error("cannot listen: %s", str(exc))  # str: a record holding exc would hold its frames, server too
         await server.stop(grace=0)
         return 2
     await server.start()
@@ -333,19 +333,24 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
 def _listen(server: grpc.aio.Server, metrics, opts: ServeOptions):
     """Binds --listen and the metrics endpoint: (the gRPC port bound, the metrics HTTP server or
     None). ValueError naming the flag when either cannot be bound, with nothing left bound."""
+    # The metrics endpoint first: a gRPC server with a bound port must be started before it goes
+    # (grpc/grpc#10084: destroying one that never started can crash the process), so its port is
+    # bound last, once nothing else can fail.
+    httpd = None
+    if opts.metrics_port is not None:
+        try:
+            httpd = metrics.serve_http(opts.metrics_port, opts.metrics_host)
+        except OSError as exc:  # in use, or --metrics-host not an address of this host
+            where = f"{opts.metrics_host} port {opts.metrics_port}" if opts.metrics_host else f"port {opts.metrics_port}"
+            raise ValueError(f"--metrics-port: cannot serve /metrics on {where}: {exc.strerror or exc}") from None
     prepare_unix_socket(opts.listen)
     try:
-        port = server.add_insecure_port(opts.listen)
+        return server.add_insecure_port(opts.listen), httpd
     except RuntimeError:  # gRPC's own message says only "failed to bind", and logs the reason
+        if httpd is not None:
+            httpd.close()
         raise ValueError(f"--listen {opts.listen}: cannot bind it (in use, or not an address of this "
                          f"host)") from None
-    if opts.metrics_port is None:
-        return port, None
-    try:
-        return port, metrics.serve_http(opts.metrics_port, opts.metrics_host)
-    except OSError as exc:  # in use, or --metrics-host not an address of this host
-        where = f"{opts.metrics_host} port {opts.metrics_port}" if opts.metrics_host else f"port {opts.metrics_port}"
-        raise ValueError(f"--metrics-port: cannot serve /metrics on {where}: {exc.strerror or exc}") from None
 
 
 def _metrics_url(httpd) -> str:
