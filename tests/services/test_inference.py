@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import sys
 import urllib.request
 
 import grpc
@@ -383,21 +384,21 @@ async def test_prefix_cache_hits_are_reported_and_counted(start_server, model_di
     assert scrape(server.metrics_port)[(contract.PREFIX_CACHED_TOKENS + "_total", ())] == 32
 
 
-async def test_ports_that_cannot_be_bound_are_refused_naming_the_flag(start_server, model_dir, caplog):
-    from tandem.rpc.server import ServeOptions, serve
-
+async def test_ports_that_cannot_be_bound_are_refused_naming_the_flag(start_server, model_dir):
     model = str(model_dir("mixtral"))
     first = await start_server(model=model, metrics_port=0, wait_serving=False)
     grpc_port = int(first.address.rpartition(":")[2])
     cases = (  # (--listen, --metrics-port, what the one log line says)
-        (f"127.0.0.1:{grpc_port}", None, f"--listen 127.0.0.1:{grpc_port}: cannot bind"),  # not half its clients
-        ("127.0.0.1:0", first.metrics_port, f"--metrics-port: cannot serve /metrics on port {first.metrics_port}"),
+        (f"127.0.0.1:{grpc_port}", "0", f"--listen 127.0.0.1:{grpc_port}: cannot bind"),  # not half its clients
+        ("127.0.0.1:0", str(first.metrics_port), f"--metrics-port: cannot serve /metrics on port {first.metrics_port}"),
     )
-    for listen, metrics_port, message in cases:
-        caplog.clear()
-        opts = ServeOptions(model=model, listen=listen, metrics_port=metrics_port, device="cpu")
-        assert await asyncio.wait_for(serve(opts, stop=asyncio.Event()), 30) == 2  # as a bad flag: no traceback
-        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    for listen, metrics_port, message in cases:  # as a user runs it: `tandem serve`, its exit code and log
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tandem.cli", "serve", "--model", model, "--listen", listen, "--metrics-port",
+            metrics_port, "--device", "cpu", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(child.communicate(), 120)
+        errors = [line for line in out.decode().splitlines() if " ERROR " in line]
+        assert child.returncode == 2, out.decode()[-2000:]  # as a bad flag: no traceback
         assert len(errors) == 1 and message in errors[0], errors
     # the refused servers left nothing bound: a server stopped frees its ports for the next
     assert await first.close() == 0

@@ -241,6 +241,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
         port, httpd = _listen(server, metrics, opts)
     except ValueError as exc:  # found before the server starts, as a bad flag is: exit code 2
         log.error("cannot listen: %s", str(exc))  # str: a record holding exc would hold its frames, server too
+        await server.start()  # with no port: the usual start-then-stop, not the teardown of one never started
         await server.stop(grace=0)
         return 2
     await server.start()
