@@ -11,7 +11,6 @@ times the native kernel on the same batches too (what `PREFILL_TOKENS` chooses b
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
@@ -23,13 +22,9 @@ SHAPES = "8000:1024:64,3072:1024:256,4096:4096:64,4096:4096:512,32000:4096:64"
 
 
 def best_ms(fn, repeat: int = 5) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    from tandem.bench import best_seconds
+
+    return best_seconds(fn, repeat) * 1e3
 
 
 def main() -> None:

@@ -11,19 +11,14 @@ the first thousand tokens). Prints ms per call (best of 5) and the ratio.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 
 def best_ms(fn, repeat: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    from tandem.bench import best_seconds
+
+    return best_seconds(fn, repeat) * 1e3
 
 
 def main() -> None:

@@ -16,6 +16,18 @@ import time
 import torch
 
 
+def best_seconds(fn, repeats: int = 5) -> float:
+    """The fastest of `repeats` timed calls of fn, after one untimed call (warm-up: first-touch
+    page faults, caches, lazy initialisation)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, threads: int | None = None,
                            method: str = "sum") -> float:
     """Read bandwidth in GB/s: the best of `repeats` reads of `size_bytes` of float32.
@@ -42,13 +54,7 @@ def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, threads:
             x = torch.ones(size_bytes // (4 * 4096), 4096, dtype=torch.float32)  # 1 MiB and up: >= 64 rows
             v = torch.ones(1, 4096, dtype=torch.float32)
             read = lambda: torch.nn.functional.linear(v, x)  # noqa: E731
-        read()
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            read()
-            best = min(best, time.perf_counter() - start)
-        return x.numel() * 4 / best / 1e9
+        return x.numel() * 4 / best_seconds(read, repeats) / 1e9
     finally:
         torch.set_num_threads(before)
 

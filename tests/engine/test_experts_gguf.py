@@ -12,7 +12,6 @@ import transformers
 
 from tandem.cli import main
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.sampling_params import SamplingParams
 from tandem.experts.base import ExpertWeights
 from tandem.experts.factory import make_expert_executor
 from tandem.experts.gguf_experts import (gguf_expert_shapes, gguf_files, gguf_quant, load_gguf_experts,
@@ -21,6 +20,7 @@ from tandem.experts.quant import Int4Weight, Int8Weight, dequantize_int4, dequan
 from tandem.experts.shared_weights import load_key
 from tandem.experts.torch_executor import TorchExpertExecutor
 from tandem.model.config import ModelError
+from test_experts_quality import forced_against, transformers_logits
 
 T = gguf.GGMLQuantizationType
 E, H, I, K = 4, 256, 256, 2
@@ -258,32 +258,12 @@ def gguf_model(demo_model_dir, tmp_path_factory):
     return src, write_gguf(tmp / "experts.gguf", tensors), tmp / "reference"
 
 
-def hf_continuations(model_dir) -> tuple[list[list[int]], list[torch.Tensor]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    tokens, logits = [], []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=GEN, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-            tokens.append(out.sequences[0, len(prompt):].tolist())
-            logits.append(torch.stack([step[0] for step in out.logits]))  # [GEN, V]
-    return tokens, logits
-
-
 def test_a_model_with_gguf_experts_matches_transformers_on_the_same_weights(gguf_model):
     src, path, ref_dir = gguf_model
-    want_tokens, want_logits = hf_continuations(ref_dir)
+    want_tokens, want = transformers_logits(ref_dir, PROMPTS, GEN)  # [prompts * GEN, V]
     engine = LLMEngine.from_pretrained(src, device="cpu", dtype="float32", experts_gguf=path, expert_threads=2)
     assert engine.model.model.layers[0].mlp.executor.quant == "int4"
-    logits = {}
-    engine.runner.logits_hook = lambda rid, row: logits.setdefault(rid, row.clone())
-    # Teacher forcing: at each position of transformers' greedy continuation, the same prefix.
-    forced = [p + ref[:i] for p, ref in zip(PROMPTS, want_tokens) for i in range(GEN)]
-    done = engine.generate(forced, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    got = torch.stack([logits[c.request_id] for c in done])  # [prompts * GEN, V]
-    want = torch.cat(want_logits)
-    agree = sum(c.token_ids[0] == w for c, w in zip(done, (t for ref in want_tokens for t in ref))) / len(done)
+    agree, got = forced_against(engine, want_tokens, PROMPTS, GEN)  # at each position of transformers' continuation
     assert agree >= 0.95, f"{agree:.0%} of the positions agree"
     assert rel_err(got, want) < 0.02  # the kernels' int8 activations, fp16 Q4_K scales, int8 Q6_K rows
 

@@ -61,6 +61,18 @@ def test_quantized_greedy_tokens_agree_with_unquantized(model_dir, quant, min_ag
     assert agreement >= min_agreement, f"{quant}: {agreement:.0%} of {len(PROMPTS) * GEN} positions agree"
 
 
+def forced_against(eng, want_tokens: list[list[int]], prompts=PROMPTS, gen: int = GEN) -> tuple[float, torch.Tensor]:
+    """Teacher forcing on a reference's greedy continuations: at each of their positions, the same
+    prefix. (the share of positions whose greedy token is the reference's, the logits there
+    [prompts * gen, V])."""
+    logits = {}
+    eng.runner.logits_hook = lambda rid, row: logits.setdefault(rid, row.clone())
+    forced = [p + ref[:i] for p, ref in zip(prompts, want_tokens) for i in range(gen)]
+    done = eng.generate(forced, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    agree = sum(c.token_ids[0] == t for c, t in zip(done, (t for ref in want_tokens for t in ref))) / len(done)
+    return agree, torch.stack([logits[c.request_id] for c in done])
+
+
 def transformers_logits(model_dir, prompts=PROMPTS, gen: int = GEN) -> tuple[list[list[int]], torch.Tensor]:
     """transformers' own greedy continuations of `prompts` and its logits at each of their positions."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -82,13 +94,7 @@ def test_int8_experts_against_transformers_tokens_and_logits(demo_model_dir):
     # Measured: int8 0.13%, int4 2.4%, an int8 quantizer whose codes are 3% small 1.9%.
     path = demo_model_dir("mixtral")
     want_tokens, want_logits = transformers_logits(path)
-    eng = engine(path, "int8")
-    logits = {}
-    eng.runner.logits_hook = lambda rid, row: logits.setdefault(rid, row.clone())
-    forced = [p + ref[:i] for p, ref in zip(PROMPTS, want_tokens) for i in range(GEN)]
-    done = eng.generate(forced, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    got = torch.stack([logits[c.request_id] for c in done])  # [prompts * GEN, V]
-    agree = sum(c.token_ids[0] == t for c, t in zip(done, (t for ref in want_tokens for t in ref))) / len(done)
+    agree, got = forced_against(engine(path, "int8"), want_tokens)
     err = ((got - want_logits).norm() / want_logits.norm()).item()
     assert agree >= 0.95 and 0 < err < 5e-3, (agree, err)
 
