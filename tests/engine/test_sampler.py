@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem.engine.sampler import Sampler
-from tandem.engine.sampling_params import InvalidRequest, SamplingParams
+from tandem.engine.sampling_params import NO_TOKEN, InvalidRequest, SamplingParams
 
 PROBS = [0.5, 0.3, 0.1, 0.06, 0.04]
 LOGITS = torch.tensor(PROBS).log()
@@ -207,7 +207,7 @@ def test_a_flat_row_takes_eight_times_the_candidates_before_a_sort(monkeypatch):
     logits = random_logits(2, 20000, seed=9) * 0.3  # top_p 0.5 needs ~2.5k tokens: more than 1024, under 8192
     widths = []
     among = sampler._cut_among_candidates
-    monkeypatch.setattr(sampler, "_cut_among_candidates", lambda *a: (widths.append(a[3]), among(*a))[1])
+    monkeypatch.setattr(sampler, "_cut_among_candidates", lambda *a: (widths.append(a[-1]), among(*a))[1])
     params = SamplingParams(temperature=1.0, top_p=0.5)
     ours = Sampler().probs(logits, [params] * 2)
     assert widths == [sampler.CANDIDATES, 8 * sampler.CANDIDATES]
@@ -242,7 +242,7 @@ def test_a_row_of_broken_logits_gets_no_token_and_spares_its_batch(bad, temperat
     else:
         broken[2, 17] = BROKEN[bad]
     out = Sampler().sample(broken, params, [gen(i) for i in range(4)])
-    assert out[2].item() == Sampler.NO_TOKEN
+    assert out[2].item() == NO_TOKEN
     assert out[[0, 1, 3]].tolist() == clean[[0, 1, 3]].tolist()
 
 

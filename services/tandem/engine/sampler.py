@@ -17,8 +17,6 @@ from tandem.engine.sampling_params import NO_TOKEN, SamplingParams
 class Sampler:
     """Turns the last position's logits of each sequence into its next token id."""
 
-    NO_TOKEN = NO_TOKEN  # the token of a row whose logits are broken
-
     def __init__(self, seed: int | None = None):
         self._seed = seed
         self._defaults: dict[torch.device, torch.Generator] = {}  # for unseeded rows, one per device
@@ -41,7 +39,7 @@ class Sampler:
             probs = self.probs(logits[index], [params[i] for i in rows])  # [R, V]
             drawn = self._race(probs, [generators[i] for i in rows])  # [R]
             tokens[index] = drawn
-        return tokens.masked_fill_(broken, self.NO_TOKEN)
+        return tokens.masked_fill_(broken, NO_TOKEN)
 
     @staticmethod
     def is_greedy(params: SamplingParams) -> bool:
@@ -64,10 +62,11 @@ class Sampler:
         top_k = torch.tensor([p.top_k for p in params], device=device)  # [B]
         top_p = torch.tensor([p.top_p for p in params], device=device)  # [B]
         width = max(CANDIDATES, max(p.top_k for p in params) + 1)
+        log_total = scaled.logsumexp(dim=-1, keepdim=True) if width < logits.shape[1] else None  # [B, 1]
         for width in (width, 8 * width):  # a flat row's top_p needs more: 8x as many, then the sort
             if width >= logits.shape[1]:
                 break
-            probs = _cut_among_candidates(scaled, top_k, top_p, width)
+            probs = _cut_among_candidates(scaled, log_total, top_k, top_p, width)
             if probs is not None:
                 return probs
         return _cut(scaled, top_k, top_p)
@@ -103,20 +102,19 @@ class Sampler:
 CANDIDATES = 1024  # the most likely tokens a cut looks at first (_cut_among_candidates)
 
 
-def _cut_among_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+def _cut_among_candidates(scaled: torch.Tensor, log_total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                           width: int) -> torch.Tensor | None:
     """`_cut` from the `width` most likely tokens of each row instead of a sort of the vocabulary
     (a stable sort of 152k logits costs milliseconds a row on a CPU core), or None where some
-    row's cut could reach past them. A row's top-k must end above the width-th logit, and a row
-    without top-k must reach top_p with the tokens above it; then nothing past the candidates
-    survives, and the candidates are in the full sort's order (by logit, ties by token id). The
-    cut is the full sort's but for rounding: a token whose mass before it is within a float's
-    rounding of top_p may fall on the other side."""
+    row's cut could reach past them (log_total [B, 1]: each whole row's logsumexp). A row's top-k
+    must end above the width-th logit, and a row without top-k must reach top_p with the tokens
+    above it; then nothing past the candidates survives, and the candidates are in the full
+    sort's order (by logit, ties by token id). The cut is the full sort's but for rounding: a
+    token whose mass before it is within a float's rounding of top_p may fall on the other side."""
     values, ids = scaled.topk(width, dim=-1)  # [B, W], descending
     floor = values[:, -1]  # [B]: no other token's logit is above this
     has_k = top_k > 0  # [B]
     kth = values.gather(1, (top_k.clamp_min(1) - 1)[:, None]).squeeze(1)  # [B]
-    log_total = scaled.logsumexp(dim=-1, keepdim=True)  # [B, 1]: the whole softmax's
     above_floor = ((values - log_total).exp() * (values > floor[:, None])).sum(dim=-1)  # [B]
     if not bool(torch.where(has_k, kth > floor, above_floor >= top_p).all()):
         return None
