@@ -12,6 +12,7 @@ from tandem.kv.attention import AttentionMetadata, paged_attention
 from tandem.kv.block_manager import KVBlockManager
 from tandem.kv.cache import CPU, DEVICE, KVCache, KVLayout
 from tandem.kv.tiered import CpuBatch, LayerKV, LocalCpuAttention, StepAttention, attend_cpu_tier
+from test_native_attention import scattered
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 SCALE = DIM**-0.5
@@ -30,16 +31,6 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, win
     return out.transpose(0, 1)  # [n, H, Dv]
 
 
-def scattered_tables(lens: list[int], block_size: int, num_blocks: int, seed: int) -> list[list[int]]:
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    tables, used = [], 0
-    for n in lens:
-        need = -(-n // block_size)
-        tables.append(perm[used:used + need])
-        used += need
-    return tables
-
-
 # (starts, query lens): prefill chunks (one from 0, one mid-sequence) and decode steps, with contexts
 # that end inside a block, exactly at a block's end, and one token into a new block.
 STEPS = [([0, 7], [5, 3]), ([10, 0], [6, 9]), ([4, 9, 14], [1, 1, 1]), ([0], [1])]
@@ -53,8 +44,7 @@ def test_slots_past_a_sequence_end_never_reach_its_output(starts, query_lens, bl
     """Every slot a sequence has not written (the rest of its last block, blocks other sequences
     own, block 0 where shorter tables are padded) holds NaN: the output must not see them."""
     lens = [s + n for s, n in zip(starts, query_lens)]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 2
-    tables = scattered_tables(lens, block_size, num_blocks, seed=block_size)
+    tables, num_blocks = scattered(lens, extra_blocks=2, seed=block_size, block_size=block_size)
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.full((num_blocks, block_size, KV_HEADS, DIM), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
@@ -85,8 +75,8 @@ def test_a_latent_cache_ignores_slots_past_a_sequence_end():
     block_size, width, value_dim = 4, 12, 8
     starts, query_lens = [3, 0], [4, 2]
     lens = [s + n for s, n in zip(starts, query_lens)]
-    tables = scattered_tables(lens, block_size, 6, seed=1)
-    latent = torch.full((6, block_size, width), float("nan"))
+    tables, num_blocks = scattered(lens, extra_blocks=3, seed=1, block_size=block_size)  # 2 + 1 blocks used
+    latent = torch.full((num_blocks, block_size, width), float("nan"))
     gen = torch.Generator().manual_seed(1)
     own = []
     for table, n in zip(tables, lens):

@@ -20,13 +20,14 @@ def kernel():
     return op
 
 
-def scattered(lens: list[int], extra_blocks: int = 3, seed: int = 0) -> tuple[list[list[int]], int]:
-    """Block tables over a shuffled pool, as a long-running cache leaves them."""
-    num_blocks = sum(-(-n // BS) for n in lens) + extra_blocks
+def scattered(lens: list[int], extra_blocks: int = 3, seed: int = 0,
+              block_size: int = BS) -> tuple[list[list[int]], int]:
+    """(block tables over a shuffled pool, as a long-running cache leaves them; the pool's size)."""
+    num_blocks = sum(-(-n // block_size) for n in lens) + extra_blocks
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     tables, used = [], 0
     for n in lens:
-        need = -(-n // BS)
+        need = -(-n // block_size)
         tables.append(perm[used:used + need])
         used += need
     return tables, num_blocks

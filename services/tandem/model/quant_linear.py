@@ -120,7 +120,7 @@ class Int8Kernel:
     def _dequantized_linear(self, x32: torch.Tensor) -> torch.Tensor:
         """x32 [T, K] -> [T, N] through MKL's GEMM, the weight dequantized DEQUANT_BYTES of rows at a
         time: never the whole weight in float32 (2.4 GB for a 150k-token vocabulary's LM head), and
-        each block still in cache for its GEMM (3-4x faster than dequantizing it whole at 64 tokens,
+        each block still in cache for its GEMM (1.1-5.3x faster than dequantizing it whole,
         `benchmarks/RESULTS.md` round twenty-two)."""
         n, k = self.q.shape
         rows = max(8, DEQUANT_BYTES // (4 * k))
