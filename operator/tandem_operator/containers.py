@@ -29,6 +29,10 @@ KV_VOLUME = "kv-cpu-tier"
 EXPERTS_VOLUME = "expert-weights"
 TMP_VOLUME = "tmp"
 
+# The experts process's metrics port name, shared with tandem_operator.service and the chart's
+# ServiceMonitor (charts/tandem/templates/_models.tpl).
+EXPERTS_METRICS_PORT_NAME = "expert-metrics"
+
 # The kubelet's gRPC probe speaks TCP only; the experts server listens on the Unix socket, so
 # its probe is the same health Check, made from inside the container with the image's grpcio.
 HEALTH_CHECK_SCRIPT = (
@@ -90,7 +94,8 @@ def build_experts_container(spec: HybridModelSpec) -> dict:
     container["env"].append({"name": "OMP_NUM_THREADS", "value": str(threads)})
     return {
         **container,
-        "ports": [{"name": "expert-metrics", "containerPort": contract.EXPERTS_METRICS_PORT, "protocol": "TCP"}],
+        "ports": [{"name": EXPERTS_METRICS_PORT_NAME, "containerPort": contract.EXPERTS_METRICS_PORT,
+                   "protocol": "TCP"}],
         "startupProbe": _exec_probe(contract.EXPERTS_SERVICE, STARTUP_PERIOD_SECONDS, STARTUP_FAILURES),
         "readinessProbe": _exec_probe(contract.EXPERTS_SERVICE, 5, 3),
         "livenessProbe": _exec_probe("", 10, 6),

@@ -80,6 +80,42 @@ def test_selects_the_services_the_operator_builds(chart):
     assert {endpoint["port"] for endpoint in monitor["spec"]["endpoints"]} <= port_names
 
 
+def _operator_pod_and_service(name: str = "mixtral-8x7b") -> tuple[dict, dict]:
+    """The pod template and Service the operator builds for the example HybridModel."""
+    spec_module = pytest.importorskip("tandem_operator.spec")
+    children_module = pytest.importorskip("tandem_operator.children")
+    spec = spec_module.parse_spec(load_example("mixtral-8x7b.yaml")["spec"])
+    kids = {kid["kind"]: kid for kid in children_module.build_children(spec, name, "models")}
+    return kids["Deployment"]["spec"]["template"]["spec"], kids["Service"]
+
+
+@pytest.mark.parametrize("values", [{"serviceMonitor": {"enabled": True}}, NON_DEFAULT_VALUES["everything"]],
+                         ids=["defaults", "everything"])
+def test_scrapes_both_processes_of_a_pod_alike(chart, values):
+    # The attention server (`metrics`) and the experts process (`expert-metrics`): the same path,
+    # interval and timeout; targetLabels is the monitor's own, so both get the model label.
+    endpoints = one(render_objects(chart, values), "ServiceMonitor")["spec"]["endpoints"]
+    assert [endpoint["port"] for endpoint in endpoints] == ["metrics", "expert-metrics"]
+    monitor_values = values["serviceMonitor"]
+    for endpoint in endpoints:
+        assert endpoint["path"] == "/metrics"
+        assert endpoint["interval"] == monitor_values.get("interval", "15s")
+        assert endpoint["scrapeTimeout"] == monitor_values.get("scrapeTimeout", "10s")
+
+
+def test_each_endpoint_reaches_the_container_that_exports_its_series(chart):
+    # Endpoint port name -> Service port -> named container port -> the process whose metrics port
+    # it is, so a renamed port on either side cannot leave a target that Prometheus marks down.
+    contract = pytest.importorskip("tandem.contract")
+    pod_spec, service = _operator_pod_and_service()
+    container_ports = {port["name"]: (container["name"], port["containerPort"])
+                       for container in pod_spec["containers"] for port in container.get("ports", [])}
+    target_ports = {port["name"]: port["targetPort"] for port in service["spec"]["ports"]}
+    monitor = one(render_objects(chart, {"serviceMonitor": {"enabled": True}}), "ServiceMonitor")
+    reached = {container_ports[target_ports[endpoint["port"]]] for endpoint in monitor["spec"]["endpoints"]}
+    assert reached == {("attention", contract.METRICS_PORT), ("experts", contract.EXPERTS_METRICS_PORT)}
+
+
 def test_does_not_select_the_operator_itself(chart):
     objects = render_objects(chart, {"serviceMonitor": {"enabled": True}})
     selector = one(objects, "ServiceMonitor")["spec"]["selector"]["matchLabels"]

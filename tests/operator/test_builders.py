@@ -317,4 +317,21 @@ def test_service_and_pdb_select_the_pods():
                      kids["Deployment"]["spec"]["selector"]["matchLabels"]):
         assert selector.items() <= pod_labels.items()
     ports = {p["name"]: p["port"] for p in kids["Service"]["spec"]["ports"]}
-    assert ports == {"grpc": contract.GRPC_PORT, "metrics": contract.METRICS_PORT}
+    assert ports == {"grpc": contract.GRPC_PORT, "metrics": contract.METRICS_PORT,
+                     "expert-metrics": contract.EXPERTS_METRICS_PORT}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_every_service_port_targets_a_container_port(name):
+    # A Service port whose named targetPort no container declares is an endpoint Prometheus would
+    # mark down: each metrics port must land on the process that serves it, at its port number.
+    kids = children(SPECS[name])
+    declared = {port["name"]: (container["name"], port["containerPort"])
+                for container in kids["Deployment"]["spec"]["template"]["spec"]["containers"]
+                for port in container.get("ports", [])}
+    targets = {port["name"]: declared.get(port["targetPort"]) for port in kids["Service"]["spec"]["ports"]}
+    assert targets == {"grpc": ("attention", contract.GRPC_PORT), "metrics": ("attention", contract.METRICS_PORT),
+                       "expert-metrics": ("experts", contract.EXPERTS_METRICS_PORT)}
+    experts_args = containers(SPECS[name])["experts"]["args"]
+    metrics_flag = experts_args.index(contract.SERVE_FLAGS["metrics_port"])
+    assert experts_args[metrics_flag + 1] == str(contract.EXPERTS_METRICS_PORT)

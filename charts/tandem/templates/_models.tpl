@@ -20,8 +20,16 @@ tandem.dev/hybridmodel
 {{- end }}
 
 {{/*
-The name of the Service port that serves Prometheus metrics.
+The name of the Service port that serves the attention (inference) server's Prometheus metrics.
 */}}
 {{- define "tandem.metricsPortName" -}}
 metrics
+{{- end }}
+
+{{/*
+The name of the Service port that serves the experts process's Prometheus metrics
+(containers.EXPERTS_METRICS_PORT_NAME): the `tandem_experts_*` series.
+*/}}
+{{- define "tandem.expertsMetricsPortName" -}}
+expert-metrics
 {{- end }}
