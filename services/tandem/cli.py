@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily (default 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass, in (0, 1] (default 1: off)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="keep tokens at least this share of the likeliest one's probability (default 0: off)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="penalize the prompt's and output's tokens, as transformers does (default 1: off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="subtracted from the logits of tokens in the output, in [-2, 2] (default 0)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="times a token's count in the output, subtracted from its logit, in [-2, 2] (default 0)")
+    gen.add_argument("--logprobs", type=int, help="with --json: each token's log-probability and the N likeliest")
     gen.add_argument("--seed", type=int, help="seed of this request's sampling (default: unseeded)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate, engine_flags=add_engine_args(gen))
@@ -143,7 +152,9 @@ def sampling_from_args(args):
 
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+                              top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              logprobs=args.logprobs, seed=args.seed, stop=tuple(args.stop))
     except InvalidRequest as e:
         raise UsageError(str(e)) from None
 
@@ -205,21 +216,26 @@ def cmd_generate(args) -> int:
         [result] = engine.generate([prompt], params)
     except InvalidRequest as e:
         raise UsageError(str(e)) from None
+    logprobs = None if result.logprobs is None else [(e.logprob, e.rank, e.top) for e in result.logprobs]
     print_result(args, result.token_ids, result.text if engine.tokenizer else None, result.finish_reason,
-                 result.num_prompt_tokens, result.num_cached_tokens)
+                 result.num_prompt_tokens, result.num_cached_tokens, logprobs)
     if result.finish_reason == "error":  # the engine logged why
         print("tandem: error: the forward pass failed", file=sys.stderr)
         return 1
     return 0
 
 
-def print_result(args, token_ids, text, finish_reason, prompt_tokens, cached_tokens) -> None:
+def print_result(args, token_ids, text, finish_reason, prompt_tokens, cached_tokens, logprobs=None) -> None:
+    """logprobs: (logprob, rank, ((token id, logprob), ...)) per token, when asked for."""
     if args.json:
         obj = {"token_ids": token_ids, "finish_reason": finish_reason,
                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
                          "cached_tokens": cached_tokens}}
         if text is not None:
             obj["text"] = text
+        if logprobs is not None:
+            obj["logprobs"] = [{"logprob": lp, "rank": rank, "top": [{"token_id": t, "logprob": v} for t, v in top]}
+                               for lp, rank, top in logprobs]
         print(json.dumps(obj))
     else:
         print(text if text is not None else " ".join(map(str, token_ids)))

@@ -112,7 +112,13 @@ BAD_REQUESTS = [
     (greedy([5] * 250, max_tokens=7), "max_tokens"),  # set, it must fit: unset, 6 tokens would come
     (inference_pb2.GenerateRequest(prompt_token_ids=[5], request_id="r" * 257), "request_id"),
     (greedy([5], top_p=1.5), "top_p"),
-    (greedy([5], top_k=-1), "top_k"),
+    (greedy([5], top_k=-2), "top_k"),  # -1 is off, as in vLLM
+    (greedy([5], min_p=1.5), "min_p"),
+    (greedy([5], repetition_penalty=0), "repetition_penalty"),  # set to 0, not unset: refused
+    (greedy([5], presence_penalty=2.5), "presence_penalty"),
+    (greedy([5], frequency_penalty=-3), "frequency_penalty"),
+    (greedy([5], logprobs=21), "logprobs"),
+    (greedy([5], logprobs=-1), "logprobs"),
     (inference_pb2.GenerateRequest(prompt_token_ids=[5], sampling=inference_pb2.SamplingParams(temperature=-1)),
      "temperature"),
     (inference_pb2.GenerateRequest(prompt_token_ids=[5], sampling=inference_pb2.SamplingParams(
@@ -404,3 +410,25 @@ async def test_ports_that_cannot_be_bound_are_refused_naming_the_flag(start_serv
     assert await first.close() == 0
     again = await start_server(model=model, listen=f"127.0.0.1:{grpc_port}", metrics_port=first.metrics_port)
     assert scrape(again.metrics_port)[(contract.REQUESTS + "_total", (("outcome", "stop"),))] == 0
+
+
+async def test_logprobs_and_penalties_stream_one_entry_per_token(start_server, model_dir, monkeypatch):
+    # A multi-step decode streams a token a response: each response carries its token's logprobs,
+    # the same as the engine's in-process (tests/engine/test_sampling_features.py checks those
+    # against transformers), and the penalty reaches the engine.
+    prompt = PROMPTS[1]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3, repetition_penalty=1.5)
+    engine = LLMEngine.from_pretrained(model_dir("mixtral"), device="cpu",
+                                       config=EngineConfig(max_model_len=256, max_num_seqs=8, cpu_kv_gib=0.01))
+    [expected] = engine.generate([prompt], params)
+    server = await start_server(model=str(model_dir("mixtral")), num_scheduler_steps=4)
+    stream = await generate(server.address, greedy(prompt, logprobs=3, repetition_penalty=1.5))
+    assert token_ids(stream) == expected.token_ids
+    assert [len(r.logprobs) for r in stream] == [len(r.token_ids) for r in stream] == [1] * 8
+    got = [e for r in stream for e in r.logprobs]
+    for entry, want in zip(got, expected.logprobs):
+        assert entry.rank == want.rank and entry.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [(t.token_id, pytest.approx(t.logprob, abs=1e-5)) for t in entry.top] == list(want.top)
+    plain = await generate(server.address, greedy(prompt))
+    assert token_ids(plain) != expected.token_ids  # the penalty made a difference
+    assert all(not r.logprobs for r in plain)

@@ -16,7 +16,8 @@ import torch
 from tandem.engine import cuda_graph
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.sampling_params import DuplicateRequest, InvalidRequest, RequestOutput, SamplingParams
+from tandem.engine.sampling_params import (DuplicateRequest, InvalidRequest, RequestOutput, SamplingParams,
+                                           TokenLogprobs)
 from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.engine.sequence import Sequence
 from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
@@ -121,6 +122,7 @@ class Completion:
     finish_reason: str
     num_prompt_tokens: int
     num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
 
 
 class LLMEngine:
@@ -335,6 +337,7 @@ class LLMEngine:
     def _output(self, req: "_Request", finished: bool) -> RequestOutput:
         seq = req.seq
         new = seq.output_token_ids[req.reported:]
+        logprobs = None if seq.logprobs is None else seq.logprobs[req.reported:seq.num_output_tokens]
         text, req.pending_text = req.pending_text, ""
         if req.detok is not None:
             if len(req.detok.ids) < seq.num_output_tokens:
@@ -349,6 +352,7 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=list(new), finished=finished,
             finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens, text=text,
+            logprobs=logprobs,
         )
 
     def stats(self) -> EngineStats:
@@ -371,15 +375,17 @@ class LLMEngine:
         for rid, prompt, p in zip(ids, prompts, params):
             self.add_request(rid, prompt, p)
         done: dict[str, Completion] = {}
-        acc = {rid: ([], []) for rid in ids}
+        acc = {rid: ([], [], None if p.logprobs is None else []) for rid, p in zip(ids, params)}
         while len(done) < len(ids):
             for out in self.step():
-                tokens, texts = acc[out.request_id]
+                tokens, texts, logprobs = acc[out.request_id]
                 tokens.extend(out.new_token_ids)
                 texts.append(out.text)
+                if logprobs is not None:
+                    logprobs.extend(out.logprobs)
                 if out.finished:
                     done[out.request_id] = Completion(out.request_id, tokens, "".join(texts), out.finish_reason,
-                                                      out.num_prompt_tokens, out.num_cached_tokens)
+                                                      out.num_prompt_tokens, out.num_cached_tokens, logprobs)
         return [done[rid] for rid in ids]
 
 

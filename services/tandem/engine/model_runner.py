@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from tandem.engine.cuda_graph import DecodeGraphs
-from tandem.engine.sampler import Sampler
+from tandem.engine.sampler import Penalties, Sampler
 from tandem.experts.base import ExpertsUnavailable
 from tandem.kv.attention import AttentionMetadata, DecodeSteps
 from tandem.kv.cache import CPU, DEVICE, KVCache
@@ -75,9 +75,9 @@ class ModelRunner:
         sampling = [s for s in scheduled if s.sample]
         if not sampling:
             return {}
-        rids = [s.seq.request_id for s in sampling]
-        ids = self._sample(hidden[last], rids, [s.seq.params for s in sampling], [generators.get(r) for r in rids])
-        return dict(zip(rids, ids.tolist()))
+        seqs = [s.seq for s in sampling]
+        ids, _ = self._sample(hidden[last], seqs, [generators.get(s.request_id) for s in seqs])
+        return {s.request_id: token for s, token in zip(seqs, ids.tolist())}
 
     def decode_steps(self, scheduled, generators: dict[str, torch.Generator | None],
                      on_step: StepCallback | None = None) -> dict[str, list[int]]:
@@ -95,9 +95,10 @@ class ModelRunner:
         if any(s.num_steps != steps or s.tier != DEVICE or len(s.token_ids) != 1 for s in scheduled):
             raise ValueError("a multi-step decode takes one token of every sequence, all on the device tier, "
                              "for the same number of steps")
-        rids = [s.seq.request_id for s in scheduled]
-        params = [s.seq.params for s in scheduled]
+        seqs = [s.seq for s in scheduled]
+        rids = [s.request_id for s in seqs]
         gens = [generators.get(r) for r in rids]
+        penalties = None  # the tokens the penalized sequences have seen, built at the first step
         tables = [s.block_table for s in scheduled]
         starts = [s.start_pos for s in scheduled]
         run = DecodeSteps.build(starts, tables, steps, self.cache.block_size, self.sliding_window)
@@ -116,7 +117,9 @@ class ModelRunner:
                         step = StepAttention(meta, None, len(rids), self.cpu_attention)
                         hidden = self.model(ids, meta.query_pos.view(-1), self.cache, step,
                                             max_position=max(starts) + i)
-                    tokens[:, i] = self._sample(hidden, rids, params, gens)  # [B]
+                    tokens[:, i], penalties = self._sample(hidden, seqs, gens, penalties)  # [B]
+                    if penalties is not None:
+                        penalties.add(tokens[:, i])
                     if on_step is not None and not on_step(i, tokens[:, i].tolist()):
                         break
                     # A sequence that got NO_TOKEN is finished with "error" (its later tokens dropped);
@@ -130,19 +133,31 @@ class ModelRunner:
         done = int((tokens[0] != _NOT_RUN).sum())  # fewer than steps: an outage, or on_step ended the run
         return dict(zip(rids, tokens[:, :done].tolist()))
 
-    def _sample(self, hidden: torch.Tensor, rids: list[str], params, generators) -> torch.Tensor:
-        """hidden [B, H] of the positions sampled from, one per request -> token ids [B] long."""
+    def _sample(self, hidden: torch.Tensor, seqs, generators,
+                penalties: Penalties | None = None) -> tuple[torch.Tensor, Penalties | None]:
+        """hidden [B, H] of the positions sampled from, one per sequence -> (token ids [B] long, the
+        penalized sequences' seen tokens: given, or built here from the sequences). A sequence that
+        asked for logprobs gets this token's appended to its `logprobs`."""
         logits = self.model.compute_logits(hidden)  # [B, V]
         if self.logits_hook is not None:
-            for rid, row in zip(rids, logits):
-                self.logits_hook(rid, row)
-        return self.sampler.sample(logits, params, generators)
+            for seq, row in zip(seqs, logits):
+                self.logits_hook(seq.request_id, row)
+        if penalties is None:
+            penalties = Penalties.of(seqs, logits.shape[1], logits.device)
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], generators, penalties)
+        wanted = [s.params.logprobs for s in seqs]
+        if any(n is not None for n in wanted):
+            for seq, entry in zip(seqs, self.sampler.logprobs(logits, tokens, wanted)):
+                if entry is not None:
+                    seq.logprobs.append(entry)
+        return tokens, penalties
 
     def _greedy_decode(self, scheduled) -> bool:
-        """A decode step of device-tier sequences that all sample greedily, nothing watching the
-        logits: the model may run its steps without returning to Python (`CausalLM.greedy_steps`)."""
+        """A decode step of device-tier sequences that all take the argmax of the raw logits (greedy, no
+        penalty, no logprobs), nothing watching the logits: the model may run its steps without
+        returning to Python (`CausalLM.greedy_steps`)."""
         return self.logits_hook is None and all(
-            s.tier == DEVICE and s.sample and len(s.token_ids) == 1 and self.sampler.is_greedy(s.seq.params)
+            s.tier == DEVICE and s.sample and len(s.token_ids) == 1 and self.sampler.argmax_only(s.seq.params)
             for s in scheduled)
 
     def _graphed(self, on_device, on_cpu) -> bool:

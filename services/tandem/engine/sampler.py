@@ -1,7 +1,10 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Next-token sampling: penalties, greedy, temperature, min-p, top-k, top-p, per-request seeds,
+and the log-probabilities requests ask for.
 
-The masking is vectorised over the batch; only the random draw of a seeded row is its own, from
-the row's generator, so a seeded request gets the same tokens whatever else shares its batch.
+In vLLM's order: the repetition, presence and frequency penalties change the logits (greedy
+sampling included), then temperature scales them, then min-p, top-k and top-p cut. The masking
+is vectorised over the batch; only the random draw of a seeded row is its own, from the row's
+generator, so a seeded request gets the same tokens whatever else shares its batch.
 The draw is the exponential race (argmax of p / q with q ~ Exp(1)), which samples from p exactly.
 A row whose logits hold a NaN or +inf, or no finite value, gets NO_TOKEN rather than a token
 that looks real: the model went wrong for that sequence (the scheduler finishes it with "error").
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.sampling_params import NO_TOKEN, SamplingParams
+from tandem.engine.sampling_params import NO_TOKEN, SamplingParams, TokenLogprobs
 
 
 class Sampler:
@@ -22,17 +25,23 @@ class Sampler:
         self._defaults: dict[torch.device, torch.Generator] = {}  # for unseeded rows, one per device
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None]) -> torch.Tensor:
-        """logits [B, V] -> token ids [B] long. Rows with no generator draw from the sampler's own."""
+               generators: list[torch.Generator | None], penalties: Penalties | None = None) -> torch.Tensor:
+        """logits [B, V] -> token ids [B] long. Rows with no generator draw from the sampler's own;
+        `penalties` holds the tokens seen by the rows whose params set a penalty (Penalties.of)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logits rows, {len(params)} params, "
                              f"{len(generators)} generators: they must match")
+        if penalties is None and any(p.penalized for p in params):
+            raise ValueError("a request sets a penalty: sample needs the tokens its rows have seen (Penalties)")
         logits = logits.float()  # [B, V]
-        tokens = logits.argmax(dim=-1)  # [B]
         # argmax prefers a NaN to any number, as max does: the top logit is finite only in a sound row
-        broken = ~logits.gather(1, tokens[:, None]).squeeze(1).isfinite()  # [B]
+        top = logits.max(dim=-1).values  # [B]
+        broken = ~top.isfinite()  # [B]
+        if penalties is not None:
+            logits = penalties.apply(logits)  # [B, V], a new tensor
+        tokens = logits.argmax(dim=-1)  # [B]
         rows = [i for i, p in enumerate(params) if not self.is_greedy(p)]
         if rows:
             index = torch.tensor(rows, device=logits.device)
@@ -46,25 +55,61 @@ class Sampler:
         """Whether `sample` takes the argmax for these params (temperature 0, or too small to divide by)."""
         return params.greedy
 
+    @staticmethod
+    def argmax_only(params: SamplingParams) -> bool:
+        """Whether the token is the argmax of the raw logits and nothing else is asked of them (no
+        penalty, no logprobs): what a fused greedy decode (CausalLM.greedy_steps) computes."""
+        return params.greedy and not params.penalized and params.logprobs is None
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int | None]) -> list[TokenLogprobs | None]:
+        """For each row i with counts[i] set: tokens[i]'s log-probability under softmax(logits[i])
+        (the raw logits, before penalties and temperature), its rank, and the counts[i] likeliest."""
+        rows = [i for i, n in enumerate(counts) if n is not None]
+        out: list[TokenLogprobs | None] = [None] * len(counts)
+        if not rows:
+            return out
+        index = torch.tensor(rows, device=logits.device)
+        logp = logits[index].float().log_softmax(dim=-1)  # [R, V]
+        chosen = logp.gather(1, tokens[index].clamp_min(0)[:, None])  # [R, 1]
+        ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()  # [R]
+        width = min(max(counts[i] for i in rows), logp.shape[1])
+        top_values, top_ids = (v.tolist() for v in logp.topk(width, dim=-1))  # [R, W] each
+        for r, (i, logprob) in enumerate(zip(rows, chosen.squeeze(1).tolist())):
+            n = counts[i]
+            out[i] = TokenLogprobs(logprob, ranks[r], tuple(zip(top_ids[r][:n], top_values[r][:n])))
+        return out
+
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """The distribution sampled from: softmax(logits / T), restricted by top-k then top-p."""
+        """The distribution sampled from: softmax(logits / T), restricted by min-p, then top-k, then top-p."""
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)  # [B]
         scaled = logits / temperature[:, None]  # [B, V]
+        if any(p.min_p > 0 for p in params):
+            # min-p keeps the tokens whose probability is at least min_p times the top one's: a cut of
+            # the logits at the top one's plus log(min_p) (-inf for min_p 0: nothing cut)
+            min_p = torch.tensor([p.min_p for p in params], device=device)  # [B]
+            floor = scaled.max(dim=-1).values + min_p.log()  # [B]
+            scaled = scaled.masked_fill(scaled < floor[:, None], float("-inf"))
+        return self._top_k_top_p(scaled, params)
+
+    def _top_k_top_p(self, scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """softmax(scaled) [B, V] restricted by each row's top-k, then top-p."""
+        device = scaled.device
         cut = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1]
         if not cut:
             return scaled.softmax(dim=-1)  # [B, V]: nothing to cut, so no sort
         if len(cut) < len(params):  # the rows that cut, apart: the others are their softmax
             out = scaled.softmax(dim=-1)  # [B, V]
             index = torch.tensor(cut, device=device)
-            out[index] = self.probs(logits[index], [params[i] for i in cut])
+            out[index] = self._top_k_top_p(scaled[index], [params[i] for i in cut])
             return out
         top_k = torch.tensor([p.top_k for p in params], device=device)  # [B]
         top_p = torch.tensor([p.top_p for p in params], device=device)  # [B]
         width = max(CANDIDATES, max(p.top_k for p in params) + 1)
-        log_total = scaled.logsumexp(dim=-1, keepdim=True) if width < logits.shape[1] else None  # [B, 1]
+        log_total = scaled.logsumexp(dim=-1, keepdim=True) if width < scaled.shape[1] else None  # [B, 1]
         for width in (width, 8 * width):  # a flat row's top_p needs more: 8x as many, then the sort
-            if width >= logits.shape[1]:
+            if width >= scaled.shape[1]:
                 break
             probs = _cut_among_candidates(scaled, log_total, top_k, top_p, width)
             if probs is not None:
@@ -97,6 +142,51 @@ class Sampler:
             else:
                 g.manual_seed(self._seed)
         return g
+
+
+class Penalties:
+    """The tokens seen by the rows of a batch whose params set a penalty, on the logits' device:
+    whether each token is in the row's prompt, and each token's count in its output. `apply`
+    penalizes logits with them; a multi-step decode `add`s each step's tokens."""
+
+    def __init__(self, rows: list[int], params: list[SamplingParams], prompts: list[list[int]],
+                 outputs: list[list[int]], vocab: int, device: torch.device):
+        self.index = torch.tensor(rows, dtype=torch.long, device=device)  # [R]: the rows penalized
+        self.in_prompt = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)  # [R, V]
+        self.counts = torch.zeros(len(rows), vocab, device=device)  # [R, V]: in the output
+        for r, (prompt, output) in enumerate(zip(prompts, outputs)):
+            self.in_prompt[r, torch.tensor(prompt, dtype=torch.long, device=device)] = True
+            ids = torch.tensor(output, dtype=torch.long, device=device)
+            self.counts[r].index_add_(0, ids, torch.ones(len(output), device=device))
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], device=device)[:, None]  # [R, 1]
+
+        self.repetition, self.presence, self.frequency = (
+            column("repetition_penalty"), column("presence_penalty"), column("frequency_penalty"))
+
+    @classmethod
+    def of(cls, seqs, vocab: int, device: torch.device) -> Penalties | None:
+        """For a batch of Sequences (tandem.engine.sequence) in row order; None when none is penalized."""
+        rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+        if not rows:
+            return None
+        return cls(rows, [seqs[i].params for i in rows], [seqs[i].prompt_token_ids for i in rows],
+                   [seqs[i].output_token_ids for i in rows], vocab, device)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] float32 -> penalized logits [B, V] (a new tensor)."""
+        rows = logits[self.index]  # [R, V]
+        in_output = self.counts > 0  # [R, V]
+        penalized = torch.where(rows < 0, rows * self.repetition, rows / self.repetition)
+        rows = torch.where(self.in_prompt | in_output, penalized, rows)
+        rows = rows - self.frequency * self.counts - self.presence * in_output
+        return logits.index_copy(0, self.index, rows)
+
+    def add(self, tokens: torch.Tensor) -> None:
+        """A step's tokens [B] (a NO_TOKEN counts for nothing) join the outputs they were sampled for."""
+        new = tokens[self.index]  # [R]
+        self.counts.scatter_add_(1, new.clamp_min(0)[:, None], (new >= 0).float()[:, None])
 
 
 CANDIDATES = 1024  # the most likely tokens a cut looks at first (_cut_among_candidates)

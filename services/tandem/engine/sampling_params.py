@@ -24,6 +24,9 @@ NO_TOKEN = -1
 # A temperature below this samples greedily: dividing by it would overflow float32 (vLLM's _SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
 
+# The most top logprobs a request may ask for per token (vLLM's and OpenAI's default limit).
+MAX_LOGPROBS = 20
+
 
 class DuplicateRequest(InvalidRequest):
     """A request_id already in flight (gRPC: ALREADY_EXISTS)."""
@@ -39,7 +42,19 @@ class SamplingParams:
     max_tokens: int | None = None
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 means off
+    top_k: int = 0  # 0 (or -1, as vLLM spells it) means off
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the likeliest; 0 means off
+    # Penalties on the logits before temperature, as vLLM applies them: repetition over the prompt's
+    # and the output's tokens (a positive logit divided by it, a negative one multiplied, as in
+    # transformers' RepetitionPenaltyLogitsProcessor); presence and frequency over the output's
+    # (OpenAI's: minus presence once a token appeared, minus frequency times its count).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Log-probabilities of each generated token, with this many of the likeliest alternatives
+    # (0: the generated token's alone); None: none. From the model's raw distribution, before
+    # penalties, temperature and cuts (vLLM's default, raw logprobs).
+    logprobs: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -60,8 +75,19 @@ class SamplingParams:
             raise InvalidRequest("temperature", f"must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequest("top_k", f"must be >= 0 (0 turns it off), got {self.top_k}")
+        if self.top_k < -1:
+            raise InvalidRequest("top_k", f"must be >= 0 (0 or -1 turns it off), got {self.top_k}")
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise InvalidRequest("repetition_penalty", f"must be a number > 0 (1 turns it off), "
+                                 f"got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequest(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
@@ -71,9 +97,11 @@ class SamplingParams:
     def _check_kinds(self) -> None:
         if self.max_tokens is not None and not _is_int(self.max_tokens):
             raise InvalidRequest("max_tokens", f"must be an integer, got {self.max_tokens!r}")
-        if not _is_int(self.top_k):
-            raise InvalidRequest("top_k", f"must be an integer, got {self.top_k!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("top_k", "logprobs"):
+            value = getattr(self, name)
+            if not _is_int(value) and not (name == "logprobs" and value is None):
+                raise InvalidRequest(name, f"must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise InvalidRequest(name, f"must be a number, got {value!r}")
@@ -88,6 +116,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed by the tokens seen so far (so even greedy depends on them)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
     def within(self, room: int) -> SamplingParams:
         """These params with max_tokens resolved for a prompt that leaves `room` tokens of context."""
         return self if self.max_tokens is not None else replace(self, max_tokens=min(DEFAULT_MAX_TOKENS, room))
@@ -95,6 +128,16 @@ class SamplingParams:
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model's raw distribution, its rank there (1:
+    the likeliest), and the likeliest tokens' (token id, log-probability), likeliest first."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -109,3 +152,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_output_tokens: int = 0
     text: str = ""  # detokenized delta for new_token_ids (empty without a tokenizer)
+    logprobs: list[TokenLogprobs] | None = None  # one per new_token_ids entry, when the request asked

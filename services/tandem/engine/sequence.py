@@ -37,6 +37,10 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrivals))
+    # With params.logprobs set, the model runner appends each sampled token's (TokenLogprobs) as it is
+    # sampled, before the scheduler appends the token: entry i is output token i's. Entries past the
+    # output belong to tokens dropped after a stop.
+    logprobs: list | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -49,6 +53,8 @@ class Sequence:
         self.prompt_token_ids = tokens
         if not isinstance(self.params, SamplingParams):
             raise InvalidRequest("params", f"must be SamplingParams, got {type(self.params).__name__}")
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def all_token_ids(self) -> list[int]:

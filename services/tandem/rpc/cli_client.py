@@ -16,9 +16,12 @@ def build_request(args) -> inference_pb2.GenerateRequest:
 
     sampling = inference_pb2.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        stop=list(args.stop))
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, stop=list(args.stop))
     if args.seed is not None:
         sampling.seed = args.seed
+    if args.logprobs is not None:
+        sampling.logprobs = args.logprobs
     request = inference_pb2.GenerateRequest(sampling=sampling)
     if args.prompt_ids:
         request.prompt_token_ids.extend(parse_prompt_ids(args.prompt_ids))
@@ -28,16 +31,19 @@ def build_request(args) -> inference_pb2.GenerateRequest:
 
 
 def collect(stub, request, timeout_s: float | None = None) -> dict:
-    """Runs one Generate stream to its end: token_ids, text, finish_reason and usage."""
-    token_ids, texts, last = [], [], None
+    """Runs one Generate stream to its end: token_ids, text, finish_reason, usage and, when asked
+    for, logprobs ((logprob, rank, ((token id, logprob), ...)) per token)."""
+    token_ids, texts, logprobs, last = [], [], [], None
     for response in stub.Generate(request, timeout=timeout_s):
         token_ids.extend(response.token_ids)
         texts.append(response.text)
+        logprobs.extend((e.logprob, e.rank, tuple((t.token_id, t.logprob) for t in e.top)) for e in response.logprobs)
         last = response
     if last is None or not last.finish_reason:
         raise RuntimeError("the server closed the stream without a final message")
     return {"token_ids": token_ids, "text": "".join(texts), "finish_reason": last.finish_reason,
-            "prompt_tokens": last.usage.prompt_tokens, "cached_tokens": last.usage.cached_tokens}
+            "prompt_tokens": last.usage.prompt_tokens, "cached_tokens": last.usage.cached_tokens,
+            "logprobs": logprobs if request.sampling.HasField("logprobs") else None}
 
 
 def run_remote_generate(args) -> int:
@@ -61,5 +67,5 @@ def run_remote_generate(args) -> int:
             return 1
     text = result["text"] if info.has_tokenizer else None
     print_result(args, result["token_ids"], text, result["finish_reason"], result["prompt_tokens"],
-                 result["cached_tokens"])
+                 result["cached_tokens"], result["logprobs"])
     return 0

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 def sampling_params_from_proto(msg: inference_pb2.SamplingParams) -> SamplingParams:
     """Unset fields keep SamplingParams' defaults; bad values raise InvalidRequest naming the field."""
     kwargs = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logprobs", "seed"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     return SamplingParams(
@@ -42,6 +43,9 @@ def prompt_from_proto(request: inference_pb2.GenerateRequest) -> str | list[int]
 def response_from_output(out: RequestOutput) -> inference_pb2.GenerateResponse:
     response = inference_pb2.GenerateResponse(
         request_id=out.request_id, token_ids=out.new_token_ids, text=out.text)
+    for entry in out.logprobs or ():
+        response.logprobs.add(logprob=entry.logprob, rank=entry.rank,
+                              top=[inference_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
     if out.finished:
         response.finish_reason = out.finish_reason or ""
         response.usage.prompt_tokens = out.num_prompt_tokens
