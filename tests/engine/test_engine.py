@@ -340,6 +340,101 @@ def test_a_failed_forward_pass_finishes_its_requests_with_error_and_frees_blocks
     assert not e.has_unfinished_requests() and e.stats().kv_blocks_used[DEVICE] == 0
 
 
+def fail_one_copy(e: LLMEngine, direction: str) -> dict:
+    """Makes the engine's first KV copy in `direction` ("out": device -> CPU, "in": CPU -> device)
+    copy one block and raise, as a CUDA error mid-copy would. Returns what it saw, filled in as the
+    engine steps: "lost" (the requests whose tables name a block that copy wrote) and "step" (the
+    engine step it failed in, counted from 0)."""
+    real, schedule, seen = e.cache.swap, e.scheduler.schedule, {"steps": 0}
+    bm = e.block_manager
+
+    def counted():
+        seen["steps"] += 1
+        return schedule()
+
+    def swap(pairs, src, dst):
+        if pairs and (src == DEVICE) == (direction == "out") and "lost" not in seen:
+            written = {d for _, d in pairs}
+            seen["lost"] = {rid for rid, req in e.requests.items()
+                            if bm.tier_of(req.seq) == dst and written & set(bm.block_table(req.seq))}
+            seen["step"] = seen["steps"] - 1
+            real(pairs[:1], src, dst)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        real(pairs, src, dst)
+
+    e.cache.swap, e.scheduler.schedule = swap, counted
+    return seen
+
+
+@pytest.mark.parametrize("direction,config", [
+    ("out", dict(num_device_blocks=16, cpu_decode=False)),  # preempted by swapping out
+    ("in", dict(num_device_blocks=16, cpu_decode=False)),  # swapped back in
+    ("out", dict(num_device_blocks=8, max_num_batched_tokens=16)),  # offloaded, running on the CPU tier
+], ids=["swap-out", "swap-in", "offload"])
+def test_a_failed_kv_copy_fails_only_the_requests_whose_blocks_it_moved(model_dir, caplog, direction, config):
+    requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts(4))}
+    reference, _ = run(engine(model_dir), requests)
+    e = engine(model_dir, block_size=4, num_cpu_blocks=64, max_model_len=64, **config)
+    seen = fail_one_copy(e, direction)
+    with caplog.at_level("ERROR", logger="tandem.engine.llm_engine"):
+        got, steps = run(e, requests)
+    lost = seen["lost"]
+    assert lost and lost != set(requests), seen
+    for rid, (tokens, _, reason) in got.items():
+        if rid in lost:  # ended by the failure, with the tokens it had
+            assert reason == "error" and tokens == reference[rid][0][:len(tokens)], rid
+        else:
+            assert got[rid] == reference[rid], rid
+    # The step the copy failed in reported the lost as finished, and ran the rest of its batch: on a
+    # swap-out, the sequence that needed the blocks decoded there.
+    [failed_step] = steps[seen["step"]]
+    assert all(failed_step[rid] == 0 for rid in lost)
+    assert direction == "in" or any(n for rid, n in failed_step.items() if rid not in lost), failed_step
+    [record] = [r for r in caplog.records if r.name == "tandem.engine.llm_engine"]
+    assert "copying KV blocks" in record.getMessage() and record.exc_info[0] is RuntimeError
+    stats = e.stats()
+    assert stats.kv_blocks_used == {DEVICE: 0, CPU: 0} and stats.num_swapped == stats.num_running == 0
+    # The engine serves on, swapping again.
+    swaps, _ = count_tier_traffic(e)
+    again, _ = run(e, {f"again-{rid}": r for rid, r in requests.items()})
+    assert {rid[len("again-"):]: r for rid, r in again.items()} == reference and swaps[direction]
+    assert sum(e.stats().kv_blocks_used.values()) == 0
+
+
+def test_requests_lost_to_a_failed_copy_are_reported_once_after_an_experts_outage(model_dir):
+    # The copy fails, then the same step's forward pass finds the experts down: the step raises and
+    # stays pending; the lost requests' "error" comes with the step once it runs.
+    requests = {f"r{i}": p for i, p in enumerate(prompts(4))}
+    e = engine(model_dir, block_size=4, num_device_blocks=16, num_cpu_blocks=64, max_model_len=64, cpu_decode=False)
+    seen = fail_one_copy(e, "out")
+    executor = e.model.model.layers[0].mlp.executor
+    real, downs = executor.forward, [0]
+
+    def flaky(*args):
+        if "lost" in seen and downs[0] < 2:
+            downs[0] += 1
+            raise ExpertsUnavailable("experts process is down")
+        return real(*args)
+
+    executor.forward = flaky
+    for rid, prompt in requests.items():
+        e.add_request(rid, prompt, GREEDY)
+    reasons, raised = {}, 0
+    while e.has_unfinished_requests():
+        try:
+            outputs = e.step()
+        except ExpertsUnavailable:
+            raised += 1
+            continue
+        for out in outputs:
+            if out.finished:
+                assert out.request_id not in reasons  # reported once
+                reasons[out.request_id] = out.finish_reason
+    assert raised == 2 and seen["lost"]
+    assert reasons == {rid: "error" if rid in seen["lost"] else "length" for rid in requests}
+    assert sum(e.stats().kv_blocks_used.values()) == 0
+
+
 # Multi-step decode (`num_scheduler_steps`): several decode tokens per engine step, each sampled
 # token fed to the next forward pass. The tokens must be the single-step engine's, token for
 # token, whatever stops a sequence inside a run; KV blocks come back; an outage loses nothing.

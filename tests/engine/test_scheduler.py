@@ -65,8 +65,19 @@ def seq(rid: str, prompt: list[int] | int, **params) -> Sequence:
     return Sequence(rid, prompt, SamplingParams(**params))
 
 
+def swap_owners(sched: Scheduler, out: SchedulerOutput) -> set[str]:
+    """The sequences whose block tables start at a block this step's copies write: their KV moves.
+    (Tables move whole, to fresh blocks; one freed again in the step, recomputed, has none.)"""
+    bm = sched.block_manager
+    written = {(CPU, c) for _, c in out.swap_out} | {(DEVICE, d) for _, d in out.swap_in}
+    return {s.request_id for s in sched._seqs.values()
+            if bm.block_table(s) and (bm.tier_of(s), bm.block_table(s)[0]) in written}
+
+
 def step(sched: Scheduler, model: FakeModel) -> tuple[SchedulerOutput, list[Sequence]]:
     out = sched.schedule()
+    assert len(out.swapping) == len({s.request_id for s in out.swapping}) == len(swap_owners(sched, out))
+    assert {s.request_id for s in out.swapping} == swap_owners(sched, out)
     assert out.num_batched_tokens == sum(len(w.token_ids) for w in out.scheduled)
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
     assert len(out.scheduled) <= sched.config.max_num_seqs
@@ -269,6 +280,20 @@ def test_cpu_decode_never_parks_a_sequence_the_device_tier_cannot_take_back():
         assert sched.num_swapped == 0
     assert any(o.offloaded for o in outs) and any(o.preempted for o in outs)
     assert {s.request_id: s.output_token_ids for s in seqs} == expected
+    assert_all_free(sched)
+
+
+def test_swapping_names_the_sequences_whose_kv_the_copies_carry():
+    """`swapping` is what a failed copy loses (LLMEngine fails those requests): the sequences
+    swapped out, offloaded or swapped in. One offloaded and then recomputed in the same step (the
+    CPU tier full too) holds no copied block and has nothing to lose. `step` checks every step."""
+    sched, model = make(num_device=2, num_cpu=6, cpu_decode=True, max_model_len=24, max_num_batched_tokens=8)
+    seqs = [seq(f"r{i}", n, max_tokens=m) for i, (n, m) in enumerate([(2, 6), (3, 2), (2, 20), (2, 22)])]
+    for s in seqs:
+        sched.add(s)
+    outs = run_all(sched, model)
+    assert any(s in o.offloaded and s in o.preempted and s not in o.swapping for o in outs for s in seqs)
+    assert any(o.swapping for o in outs)
     assert_all_free(sched)
 
 

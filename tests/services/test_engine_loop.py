@@ -182,3 +182,36 @@ async def test_a_request_cancelled_during_its_admission_counts_once(loop, monkey
     await loop.run_on_engine(lambda engine: None)  # after the abort the cancellation queued
     value = loop.metrics.registry.get_sample_value
     assert value(contract.REQUESTS + "_total", {"outcome": "cancelled"}) == 1
+
+
+async def test_a_failed_kv_copy_ends_only_its_requests_and_the_loop_serves_on(model_dir):
+    # A small device tier makes the engine swap sequences out and in; the first copy fails. Its
+    # requests end with "error" (a finished output, not a failed stream); the others, and the loop, go on.
+    engine = LLMEngine.from_pretrained(model_dir("mixtral"), device="cpu", config=EngineConfig(
+        block_size=4, num_device_blocks=16, num_cpu_blocks=64, max_model_len=64, cpu_decode=False))
+    real, failed = engine.cache.swap, []
+
+    def swap(pairs, src, dst):
+        if pairs and not failed:
+            failed.append(pairs)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        real(pairs, src, dst)
+
+    engine.cache.swap = swap
+    fatal: list[BaseException] = []
+    loop = EngineLoop(engine, ServingMetrics(), on_fatal=fatal.append)
+    loop.start()
+    try:
+        prompts = [[(7 * i + 3 * j) % 90 + 3 for j in range(13 + i)] for i in range(4)]
+        streams = [await loop.submit(f"r{i}", p, params(24)) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*(drain(s) for s in streams))
+        reasons = [r[-1].finish_reason for r in results]
+        assert failed and 0 < reasons.count("error") < len(reasons), reasons
+        assert all(sum(len(o.new_token_ids) for o in r) == 24 for r, why in zip(results, reasons) if why != "error")
+        value = loop.metrics.registry.get_sample_value
+        assert value(contract.REQUESTS + "_total", {"outcome": "error"}) == reasons.count("error")
+        assert await finished_with(loop, "after", 5) == ("length", 5)
+        stats = await loop.run_on_engine(lambda engine: engine.stats())
+        assert sum(stats.kv_blocks_used.values()) == 0 and not fatal
+    finally:
+        loop.stop(timeout=10)

@@ -152,6 +152,9 @@ class LLMEngine:
             raise
         self.requests: dict[str, _Request] = {}
         self._pending = None  # a scheduled step whose forward pass has not completed
+        # Requests failed by a failed KV copy, returned with their step's outputs (kept across a
+        # retry while the experts are unavailable).
+        self._lost: list[RequestOutput] = []
 
     def _prepare_runner(self, model, device: torch.device, config: EngineConfig) -> None:
         self.runner = ModelRunner(model, self.cache, device)
@@ -284,12 +287,33 @@ class LLMEngine:
         With `emit`, a multi-step decode (num_scheduler_steps > 1) streams: each token step's
         outputs go to emit as that step ends, inside the run, and are not returned again; the run
         ends early once every sequence in it has finished, or when `interrupted()` says the caller
-        has work for the engine (a request to admit, an abort), so nothing waits for a whole run."""
+        has work for the engine (a request to admit, an abort), so nothing waits for a whole run.
+        A failed copy of KV blocks between the tiers fails only the requests it moved (see _swap)."""
         if self._pending is None:
             out = self.scheduler.schedule()
-            self.runner.swap(out.swap_out, out.swap_in)
+            self._lost += self._swap(out)
             self._pending = out
-        out = self._pending
+        outputs = self._execute(self._pending, emit, interrupted)
+        lost, self._lost = self._lost, []
+        return lost + outputs
+
+    def _swap(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Copy the step's blocks between the tiers. A copy that fails fails the requests whose KV it
+        carried (which of its blocks landed is unknown), not the step: they finish with "error", their
+        blocks freed, and leave the batch; their outputs are returned."""
+        try:
+            self.runner.swap(out.swap_out, out.swap_in)
+        except Exception:
+            log.exception("copying KV blocks between the tiers failed; finishing %d requests with reason 'error'",
+                          len(out.swapping))
+            lost = {s.request_id for s in out.swapping}
+            out.scheduled = [w for w in out.scheduled if w.seq.request_id not in lost]
+            return [self._fail(s) for s in out.swapping]
+        return []
+
+    def _execute(self, out: SchedulerOutput, emit: Callable[[list[RequestOutput]], None] | None,
+                 interrupted: Callable[[], bool] | None) -> list[RequestOutput]:
+        """The forward pass of the pending step `out`, and its postprocessing."""
         generators = {s.seq.request_id: self.requests[s.seq.request_id].generator for s in out.scheduled}
         streamed = None
         if emit is not None and out.scheduled and out.scheduled[0].num_steps > 1:

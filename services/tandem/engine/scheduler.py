@@ -99,6 +99,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_id, device_id)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_id, cpu_id)
+    # The sequences whose KV the swap_in and swap_out copies carry: their block tables already name
+    # the copies' destinations, so a copy that fails loses their KV.
+    swapping: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     offloaded: list[Sequence] = field(default_factory=list)  # moved to the CPU tier this step, still running
     num_batched_tokens: int = 0
@@ -262,6 +265,7 @@ class Scheduler:
             if not self.block_manager.can_swap_in(seq, num_new):
                 return
             step.out.swap_in += self.block_manager.swap_in(seq)
+            step.out.swapping.append(seq)
             if not self.block_manager.allocate_slots(seq, num_new):
                 raise RuntimeError("block manager refused slots that can_swap_in promised")
             self.swapped.pop(0)
@@ -302,6 +306,7 @@ class Scheduler:
                 step.restore(work)
             return False
         step.out.swap_out += pairs
+        step.out.swapping.append(seq)
         step.out.offloaded.append(seq)
         if work is not None:  # already scheduled this step: its slots moved with its table
             if not self.block_manager.allocate_slots(seq, num_new):
@@ -324,10 +329,13 @@ class Scheduler:
         pairs = None if self.config.cpu_decode else self.block_manager.swap_out(seq)
         if pairs is not None:
             step.out.swap_out += pairs
+            step.out.swapping.append(seq)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
             self.swapped.sort(key=lambda s: s.arrival)
         else:
+            if seq in step.out.swapping:  # offloaded earlier in this step: the copy no longer carries its KV
+                step.out.swapping.remove(seq)
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
