@@ -16,10 +16,15 @@ import socket
 import threading
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from tandem import contract
+
+# No `<name>_created` series beside every counter and histogram: a series per label set that no
+# dashboard or rule reads (the process start time is process_start_time_seconds), as vLLM does.
+prometheus_client.disable_created_metrics()
 
 # `outcome` label values of the requests counter.
 OUTCOMES = (

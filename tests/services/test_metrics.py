@@ -174,7 +174,7 @@ def test_the_two_processes_of_a_pair_export_no_series_of_the_same_name():
     # (once as the attention side's round trip, once as the experts side's computing).
     def families(metrics):
         text = generate_latest(metrics.registry).decode()
-        return {f.name for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
+        return {f.name for f in text_string_to_metric_families(text)}
 
     attention, experts = families(ServingMetrics()), families(ExpertsMetrics())
     assert contract.EXPERT_CALL_LATENCY in attention and contract.CPU_ATTENTION_LATENCY in attention
@@ -213,3 +213,12 @@ def test_the_operator_reads_the_inter_token_latency_the_server_exports():
     assert count(histogram) == 20
     assert 0.1 < quantile(0.5, histogram) <= 0.15 and 0.3 < quantile(0.99, histogram) <= 0.4
     assert f"increase({contract.INTER_TOKEN_LATENCY}_bucket{{" in metrics_source.DEFAULT_PROMETHEUS_QUERY
+
+
+def test_no_created_series_beside_the_counters_and_histograms(metrics):
+    m, port = metrics
+    m.record_outcome("stop")
+    m.inter_token_latency.observe(0.01)
+    text = generate_latest(m.registry).decode() + generate_latest(ExpertsMetrics().registry).decode()
+    assert "_total" in text and "_bucket" in text
+    assert "_created" not in text
