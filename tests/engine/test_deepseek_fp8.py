@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from test_parity import hf_greedy, prompt_for, tandem_greedy
 
 from tandem.model.config import ModelError
-from tandem.model.fp8 import dequantize, dequantize_stream, fp8_block_size
+from tandem.model.fp8 import Fp8Scheme, dequantize, dequantize_stream, fp8_scheme
 from tandem.model.loader import load_model
 
 FP8 = torch.float8_e4m3fn
@@ -154,7 +154,7 @@ def test_stacked_experts_dequantize_expert_by_expert():
     q, scale = torch.stack([b[0] for b in blocks]), torch.stack([b[1] for b in blocks])  # [3, 40, 70], [3, 3, 3]
     want = torch.stack([reference_dequantize(qe, se, 16, 32) for qe, se in blocks])
     name = "model.layers.1.mlp.experts.gate_up_proj"
-    out = dict(dequantize_stream([(name, q), (name + "_scale_inv", scale)], (16, 32)))
+    out = dict(dequantize_stream([(name, q), (name + "_scale_inv", scale)], Fp8Scheme("fp8", (16, 32))))
     torch.testing.assert_close(out[name], want, rtol=0, atol=0)
     with pytest.raises(ModelError, match=r"expected \(3, 3, 3\)"):
         dequantize(q, scale[0], (16, 32))
@@ -177,37 +177,40 @@ def test_stream_pairs_weights_and_scales_in_either_order():
     expected = reference_dequantize(q, scale, 4, 4)
     for order in (["a.weight", "a.weight_scale_inv"], ["a.weight_scale_inv", "a.weight"]):
         items = {"a.weight": q, "a.weight_scale_inv": scale}
-        out = dict(dequantize_stream([("norm.weight", torch.ones(3))] + [(n, items[n]) for n in order], (4, 4)))
+        stream = [("norm.weight", torch.ones(3))] + [(n, items[n]) for n in order]
+        out = dict(dequantize_stream(stream, Fp8Scheme("fp8", (4, 4))))
         assert set(out) == {"norm.weight", "a.weight"}
         torch.testing.assert_close(out["a.weight"], expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("items,block,message", [
-    ([("a.weight", torch.zeros(4, 4, dtype=FP8))], (4, 4), "no _scale_inv"),
-    ([("a.weight_scale_inv", torch.ones(1, 1))], (4, 4), "no fp8 weight"),
+@pytest.mark.parametrize("items,scheme,message", [
+    ([("a.weight", torch.zeros(4, 4, dtype=FP8))], Fp8Scheme("fp8", (4, 4)), "no scale tensor"),
+    ([("a.weight_scale_inv", torch.ones(1, 1))], Fp8Scheme("fp8", (4, 4)), "no fp8 weight"),
     ([("a.weight", torch.zeros(4, 4, dtype=FP8))], None, "no fp8 quantization_config"),
+    # DeepSeek's block scales under a config without weight_block_size (read as per tensor, as vLLM does)
+    ([("a.weight", torch.zeros(8, 8, dtype=FP8)), ("a.weight_scale_inv", torch.ones(2, 2))], Fp8Scheme("fp8"),
+     r"scale shape \(2, 2\) does not match weight \(8, 8\): expected \(8, 1\) per channel, \(1,\) per tensor"),
 ])
-def test_stream_rejects_incomplete_checkpoints(items, block, message):
+def test_stream_rejects_incomplete_checkpoints(items, scheme, message):
     with pytest.raises(ModelError, match=message):
-        list(dequantize_stream(items, block))
+        list(dequantize_stream(items, scheme))
 
 
 @pytest.mark.parametrize("config,message", [
     ({"quant_method": "gptq", "bits": 4}, "not supported"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "e5m2"),
-    ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "e4m3"}, "scale_fmt 'e4m3'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}, "expert_dtype 'fp4'"),
 ])
 def test_unsupported_quantization_configs_raise(config, message):
     with pytest.raises(ModelError, match=message):
-        fp8_block_size(config)
+        fp8_scheme(config)
 
 
 def test_deepseek_quantization_config_is_read():
-    assert fp8_block_size({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                           "weight_block_size": [128, 128]}) == (128, 128)
-    assert fp8_block_size({"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",  # DeepSeek-V3.1
-                           "weight_block_size": [128, 128]}) == (128, 128)
-    assert fp8_block_size(None) is None
+    assert fp8_scheme({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": [128, 128]}) == Fp8Scheme("fp8", (128, 128))
+    assert fp8_scheme({"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",  # DeepSeek-V3.1
+                       "weight_block_size": [128, 128]}) == Fp8Scheme("fp8", (128, 128))
+    assert fp8_scheme(None) is None

@@ -185,7 +185,7 @@ def published(tmp_path):
 
 def test_published_config_is_read(published):
     cfg = published
-    assert cfg.architecture == "DeepseekV3ForCausalLM" and cfg.fp8_block_size == (128, 128)
+    assert cfg.architecture == "DeepseekV3ForCausalLM" and cfg.fp8.block == (128, 128)
     assert cfg.moe_layers == tuple(range(3, 61)) and (cfg.num_experts, cfg.top_k) == (256, 8)
     assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == (8, 4, 2.5)
     assert cfg.mla.q_lora_rank == 1536 and cfg.mla.rope_interleave

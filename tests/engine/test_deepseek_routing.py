@@ -89,7 +89,7 @@ def test_config_fields():
     assert cfg.shared_expert_intermediate_size == 16
     assert cfg.mla.q_lora_rank == 24 and cfg.mla.latent_dim == 16 + 8
     assert cfg.mla.softmax_scale == pytest.approx(16**-0.5)
-    assert cfg.fp8_block_size is None
+    assert cfg.fp8 is None
 
 
 def test_yarn_mscale_enters_the_softmax_scale():

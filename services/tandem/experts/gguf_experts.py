@@ -6,7 +6,12 @@ file and everything else from the Hugging Face checkpoint (attention, norms, rou
 head: GGUF reorders attention rows for its rope, and those stay on the GPU at their own dtype).
 
 llama.cpp stores a layer's experts as three stacked tensors, `blk.{layer}.ffn_{gate,up,down}_exps.weight`,
-[E, I, H], [E, I, H] and [E, H, I] in row-major order: the executor's [N, K] rows, as they are.
+[E, I, H], [E, I, H] and [E, H, I] in row-major order: the executor's [N, K] rows, as they are. Newer
+conversions (convert_hf_to_gguf.py --fuse-gate-up-exps, and models whose checkpoints fuse them) store
+gate and up as one `blk.{layer}.ffn_gate_up_exps.weight` [E, 2I, H]: the converter concatenates
+torch.cat([gate, up], dim=1), and llama.cpp's build_moe_ffn reads gate from rows 0..I-1 and up from rows
+I..2I-1 of each expert. It is split there: a row is whole blocks in every type, so the halves
+are the file's bytes as they are and convert as two separate tensors would.
 The file's types decide the layer's format, as close to the file's own numbers as the
 executor's kernels can hold:
 - Q4_0 and Q4_K become int4 with groups of 32 (`Int4Weight`, w = q * scale + min): the 4-bit
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +46,7 @@ from tandem.experts.quant import Int4Weight, Int8Weight, pack_int4, quantize_int
 
 _log = logging.getLogger(__name__)
 
-_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 _SHARD_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # gguf-split's (and llama.cpp's) shard names
 _PROJS = ("gate", "up", "down")
 _Q4_0_BYTES = 18  # 32 weights: an fp16 d and 16 bytes of codes
@@ -75,8 +81,8 @@ def gguf_files(path: str | Path) -> list[Path]:
 
 
 def _expert_tensors(path: str | Path) -> dict[int, dict[str, object]]:
-    """layer -> {"gate", "up", "down": the reader's tensor} of the routed experts in `path` (all its
-    shards), each of a type this module can convert."""
+    """layer -> {"gate", "up", "down": the reader's tensor, or a half of a fused gate_up one} of the routed
+    experts in `path` (all its shards), each of a type this module can convert."""
     found: dict[int, dict[str, object]] = {}
     for reader in _readers(Path(path)):
         for tensor in reader.tensors:
@@ -87,7 +93,36 @@ def _expert_tensors(path: str | Path) -> dict[int, dict[str, object]]:
                 found[int(m[1])][m[2]] = tensor
     if not found:
         raise ValueError(f"{path} has no routed-expert tensors (blk.N.ffn_gate_exps.weight ...)")
-    return found
+    return {layer: _unfused(layer, tensors) for layer, tensors in found.items()}
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The gate or up half of a fused ffn_gate_up_exps tensor, read as the tensor it would be unfused."""
+
+    name: str
+    tensor_type: object
+    shape: tuple[int, ...]  # GGUF order, [K, N, E]
+    data: np.ndarray  # [E, N, ...]: the file's rows (a view)
+
+
+def _unfused(layer: int, tensors: dict[str, object]) -> dict[str, object]:
+    """{"gate", "up", "down"}: a fused gate_up tensor [E, 2I, H] split into gate (rows 0..I-1 of each
+    expert) and up (rows I..2I-1), as llama.cpp's build_moe_ffn reads it."""
+    fused = tensors.pop("gate_up", None)
+    if fused is None:
+        return tensors
+    if "gate" in tensors or "up" in tensors:
+        raise ValueError(f"layer {layer}: {fused.name} and separate ffn_gate_exps/ffn_up_exps tensors; "
+                         "a layer has one or the other")
+    shape = tuple(int(n) for n in reversed(fused.shape))  # [E, 2I, H]
+    if len(shape) != 3 or shape[1] % 2 or fused.data.shape[:2] != shape[:2]:
+        raise ValueError(f"{fused.name}: expected stacked experts [E, 2I, H] (gate rows, then up rows), "
+                         f"got shape {list(shape)}")
+    e, i, h = shape[0], shape[1] // 2, shape[2]
+    gate, up = fused.data[:, :i], fused.data[:, i:]  # [E, I, H or bytes]
+    return {**tensors, "gate": _Rows(f"{fused.name} (gate rows)", fused.tensor_type, (h, i, e), gate),
+            "up": _Rows(f"{fused.name} (up rows)", fused.tensor_type, (h, i, e), up)}
 
 
 def _readers(path: Path) -> list:
@@ -174,7 +209,8 @@ def _dequantized(tensor, data: np.ndarray) -> torch.Tensor:
         raise ValueError(f"{tensor.name}: gguf cannot dequantize {tensor.tensor_type.name}") from None
     if w.ndim != 3:
         raise ValueError(f"{tensor.name}: expected stacked experts [E, N, K], got shape {w.shape}")
-    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    return torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors come as the file's read-only map
 
 
 def _blocks(data: np.ndarray, block_bytes: int, name: str) -> torch.Tensor:

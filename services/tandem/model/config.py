@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tandem.model.deepseek_config import MlaDims
+    from tandem.model.fp8 import Fp8Scheme
 
 # Each architecture served, and the model_type of its transformers config.
 SUPPORTED_ARCHITECTURES = {
@@ -67,8 +68,8 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    # block-scaled FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None when unquantized
-    fp8_block_size: tuple[int, int] | None = None
+    # FP8 checkpoints: how their weights are scaled (tandem.model.fp8); None when unquantized
+    fp8: Fp8Scheme | None = None
     # DeepSeek-V3: multi-token-prediction layers stored after the last decoder layer, never run
     mtp_layers: int = 0
 
@@ -178,7 +179,7 @@ def from_hf_config(arch: str, hf) -> ModelConfig:
         qk_norm=hf.model_type == "qwen3_moe",
         sliding_window=_sliding_window(arch, hf),
         hf_config=hf,
-        fp8_block_size=_fp8_block_size(hf),
+        fp8=_fp8_scheme(hf),
     )
     if arch == "LlamaForCausalLM":
         moe = dict(num_experts=0, top_k=0, moe_intermediate_size=0, norm_topk_prob=False,
@@ -204,10 +205,10 @@ def from_hf_config(arch: str, hf) -> ModelConfig:
     return ModelConfig(**common, **moe)
 
 
-def _fp8_block_size(hf) -> tuple[int, int] | None:
-    from tandem.model.fp8 import fp8_block_size
+def _fp8_scheme(hf) -> Fp8Scheme | None:
+    from tandem.model.fp8 import fp8_scheme
 
-    return fp8_block_size(getattr(hf, "quantization_config", None))
+    return fp8_scheme(getattr(hf, "quantization_config", None))
 
 
 def _qwen_is_sparse(hf, layer: int) -> bool:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from tandem.experts.base import ExpertExecutor, ExpertWeights
 from tandem.model.config import ModelConfig, ModelError, load_config, read_json
-from tandem.model.fp8 import SCALE_SUFFIX, dequantize_stream
+from tandem.model.fp8 import dequantize_stream, weight_of
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.model import CausalLM
 from tandem.model.quant_linear import check_dense_quant, quantize_dense_
@@ -114,9 +114,10 @@ def iter_tensors(model_dir: Path, desc: str, skip: Callable[[str], bool] | None 
 
 
 def checkpoint_tensors(model_dir: Path, cfg: ModelConfig, desc: str, experts: bool = True, dense: bool = True):
-    """`iter_tensors` as the model sees it: FP8 weights dequantized, multi-token-prediction layers
-    not read; with experts False, the routed experts' tensors (and their FP8 scales) are not read,
-    with dense False everything else is not (what the experts process of the split deployment needs).
+    """`iter_tensors` as the model sees it: FP8 weights dequantized (`tandem.model.fp8`), their static
+    activation scales dropped, multi-token-prediction layers not read; with experts False, the routed
+    experts' tensors (and their FP8 scales) are not read, with dense False everything else is not (what
+    the experts process of the split deployment needs).
 
     DeepSeek-V3 ships its multi-token-prediction module as `model.layers.{num_hidden_layers}.*`
     (a whole MoE layer, 11 GB in fp8); plain decoding never runs it, so it is not read. Any other
@@ -125,9 +126,9 @@ def checkpoint_tensors(model_dir: Path, cfg: ModelConfig, desc: str, experts: bo
     def skip(name: str) -> bool:
         if cfg.num_layers <= _layer_index(name) < cfg.num_layers + cfg.mtp_layers:
             return True
-        return not (experts if is_expert_tensor(name.removesuffix(SCALE_SUFFIX)) else dense)
+        return not (experts if is_expert_tensor(weight_of(name)) else dense)
 
-    return dequantize_stream(iter_tensors(model_dir, desc, skip), cfg.fp8_block_size)
+    return dequantize_stream(iter_tensors(model_dir, desc, skip), cfg.fp8)
 
 
 def _layer_index(name: str) -> int:
