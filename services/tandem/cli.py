@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    prompt.add_argument("--chat", metavar="JSON",
+                        help='a conversation, rendered by the checkpoint\'s chat template with the assistant\'s turn '
+                             'opened, e.g. \'[{"role": "user", "content": "Hi"}]\'')
     gen.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily (default 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass, in (0, 1] (default 1: off)")
@@ -67,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0,
                      help="times a token's count in the output, subtracted from its logit, in [-2, 2] (default 0)")
     gen.add_argument("--logprobs", type=int, help="with --json: each token's log-probability and the N likeliest")
+    gen.add_argument("--prompt-logprobs", type=int,
+                     help="with --json: each prompt token's log-probability (after the first) and the N likeliest")
     gen.add_argument("--seed", type=int, help="seed of this request's sampling (default: unseeded)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate, engine_flags=add_engine_args(gen))
@@ -147,6 +152,20 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def parse_chat(text: str) -> list[tuple[str, str]]:
+    """--chat's JSON: a non-empty list of {"role": str, "content": str}, as (role, content) pairs."""
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--chat is not valid JSON: {exc}") from None
+    if not isinstance(messages, list) or not messages:
+        raise UsageError('--chat must be a non-empty JSON list of {"role": ..., "content": ...} messages')
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or set(m) != {"role", "content"} or not all(isinstance(v, str) for v in m.values()):
+            raise UsageError(f'--chat: message {i} is not {{"role": string, "content": string}}: {json.dumps(m)}')
+    return [(m["role"], m["content"]) for m in messages]
+
+
 def sampling_from_args(args):
     from tandem.engine.sampling_params import InvalidRequest, SamplingParams
 
@@ -154,7 +173,8 @@ def sampling_from_args(args):
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                              logprobs=args.logprobs, seed=args.seed, stop=tuple(args.stop))
+                              logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, seed=args.seed,
+                              stop=tuple(args.stop))
     except InvalidRequest as e:
         raise UsageError(str(e)) from None
 
@@ -200,6 +220,7 @@ def cmd_generate(args) -> int:
     params = sampling_from_args(args)
     if args.prompt is not None and not args.prompt:
         raise UsageError("--prompt is empty")
+    chat = parse_chat(args.chat) if args.chat is not None else None  # bad JSON is refused before anything loads
     if args.server:
         from tandem.rpc.cli_client import run_remote_generate
 
@@ -212,30 +233,47 @@ def cmd_generate(args) -> int:
 
     engine = build_engine(args)
     try:
-        prompt = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else engine.encode(args.prompt)
+        if chat is not None:
+            from tandem.engine.chat import ChatMessage
+
+            prompt = engine.encode_chat([ChatMessage(role, content) for role, content in chat])
+        else:
+            prompt = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else engine.encode(args.prompt)
         [result] = engine.generate([prompt], params)
     except InvalidRequest as e:
         raise UsageError(str(e)) from None
-    logprobs = None if result.logprobs is None else [(e.logprob, e.rank, e.top) for e in result.logprobs]
+    def plain(entries):  # TokenLogprobs -> (logprob, rank, top), as print_result takes them
+        return None if entries is None else [e and (e.logprob, e.rank, e.top) for e in entries]
+
     print_result(args, result.token_ids, result.text if engine.tokenizer else None, result.finish_reason,
-                 result.num_prompt_tokens, result.num_cached_tokens, logprobs)
+                 result.num_prompt_tokens, result.num_cached_tokens, plain(result.logprobs),
+                 plain(result.prompt_logprobs))
     if result.finish_reason == "error":  # the engine logged why
         print("tandem: error: the forward pass failed", file=sys.stderr)
         return 1
     return 0
 
 
-def print_result(args, token_ids, text, finish_reason, prompt_tokens, cached_tokens, logprobs=None) -> None:
-    """logprobs: (logprob, rank, ((token id, logprob), ...)) per token, when asked for."""
+def print_result(args, token_ids, text, finish_reason, prompt_tokens, cached_tokens, logprobs=None,
+                 prompt_logprobs=None) -> None:
+    """logprobs: (logprob, rank, ((token id, logprob), ...)) per token, when asked for; prompt_logprobs
+    the same per prompt token, None for the first."""
     if args.json:
         obj = {"token_ids": token_ids, "finish_reason": finish_reason,
                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
                          "cached_tokens": cached_tokens}}
         if text is not None:
             obj["text"] = text
+        def entry(e):
+            if e is None:
+                return None
+            lp, rank, top = e
+            return {"logprob": lp, "rank": rank, "top": [{"token_id": t, "logprob": v} for t, v in top]}
+
         if logprobs is not None:
-            obj["logprobs"] = [{"logprob": lp, "rank": rank, "top": [{"token_id": t, "logprob": v} for t, v in top]}
-                               for lp, rank, top in logprobs]
+            obj["logprobs"] = [entry(e) for e in logprobs]
+        if prompt_logprobs is not None:
+            obj["prompt_logprobs"] = [entry(e) for e in prompt_logprobs]
         print(json.dumps(obj))
     else:
         print(text if text is not None else " ".join(map(str, token_ids)))

@@ -122,7 +122,7 @@ def test_penalties_touch_only_their_rows_and_steps_add_to_the_counts():
 
 def test_a_penalty_changes_greedy_sampling_and_needs_the_seen_tokens():
     logits = torch.tensor([[1.0, 3.0, 2.9, 0.0]])
-    s = seq([0], [1], presence_penalty=0.5)
+    s = seq([0], [1], temperature=0, presence_penalty=0.5)
     assert Sampler().sample(logits, [s.params], [None], Penalties.of([s], 4, torch.device("cpu"))).item() == 2
     with pytest.raises(ValueError, match="penalty"):
         Sampler().sample(logits, [s.params], [None])
@@ -157,7 +157,8 @@ def test_vllms_minus_one_turns_top_k_off():
     ("top_k", -2), ("min_p", -0.1), ("min_p", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("repetition_penalty", math.inf), ("presence_penalty", 2.5), ("frequency_penalty", -2.01),
     ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 2.0), ("logprobs", True), ("min_p", "0.1"),
-    ("presence_penalty", math.nan), ("repetition_penalty", math.nan),
+    ("presence_penalty", math.nan), ("repetition_penalty", math.nan), ("prompt_logprobs", 21),
+    ("prompt_logprobs", "1"),
 ])
 def test_out_of_range_or_wrong_kind_values_are_refused_naming_the_field(field, value):
     with pytest.raises(InvalidRequest) as err:
@@ -269,3 +270,56 @@ def test_logprobs_stay_one_per_token_when_a_stop_token_cuts_a_multi_step_run(mix
 def test_requests_without_logprobs_get_none(mixtral):
     [out] = engine_for(mixtral, 1).generate([prompt_for(7, 5)], SamplingParams(max_tokens=3, temperature=0))
     assert out.logprobs is None
+
+
+# prompt logprobs: scoring a text
+
+
+def transformers_prompt_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at every prompt position: row p scores token p + 1."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)  # [P, V]
+
+
+def assert_scores(entries, logp: torch.Tensor, prompt: list[int], n: int) -> None:
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p, entry in enumerate(entries[1:]):
+        row, token = logp[p], prompt[p + 1]
+        assert entry.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry.rank == int((row > row[token]).sum()) + 1
+        values, ids = row.topk(n)
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [None, 8])  # the prompt in one step, and in chunks of 8 tokens
+def test_prompt_logprobs_are_the_log_softmax_of_transformers_logits(mixtral, chunk):
+    prompt = prompt_for(8, 21)
+    config = EngineConfig(max_num_batched_tokens=chunk) if chunk else EngineConfig()
+    engine = LLMEngine.from_pretrained(mixtral, device="cpu", dtype="float32", config=config)
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))
+    assert_scores(out.prompt_logprobs, transformers_prompt_logprobs(mixtral, prompt), prompt, 3)
+    assert out.logprobs is None
+
+
+def test_a_scoring_request_takes_no_prefix_cache_hits_and_others_still_do(mixtral):
+    prompt = prompt_for(9, 40)  # more than two 16-token blocks
+    engine = engine_for(mixtral, 1)
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))  # fills the prefix cache
+    [scored] = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    assert scored.num_cached_tokens == 0
+    assert_scores(scored.prompt_logprobs, transformers_prompt_logprobs(mixtral, prompt), prompt, 0)
+    [plain] = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
+
+
+def test_prompt_logprobs_come_once_in_the_first_output(mixtral):
+    engine = engine_for(mixtral, 1)
+    prompt = prompt_for(10, 6)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=1))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.prompt_logprobs is not None for o in outputs] == [True] + [False] * (len(outputs) - 1)
+    assert len(outputs[0].prompt_logprobs) == len(prompt)

@@ -119,6 +119,7 @@ BAD_REQUESTS = [
     (greedy([5], frequency_penalty=-3), "frequency_penalty"),
     (greedy([5], logprobs=21), "logprobs"),
     (greedy([5], logprobs=-1), "logprobs"),
+    (greedy([5], prompt_logprobs=30), "prompt_logprobs"),
     (inference_pb2.GenerateRequest(prompt_token_ids=[5], sampling=inference_pb2.SamplingParams(temperature=-1)),
      "temperature"),
     (inference_pb2.GenerateRequest(prompt_token_ids=[5], sampling=inference_pb2.SamplingParams(
@@ -432,3 +433,17 @@ async def test_logprobs_and_penalties_stream_one_entry_per_token(start_server, m
     plain = await generate(server.address, greedy(prompt))
     assert token_ids(plain) != expected.token_ids  # the penalty made a difference
     assert all(not r.logprobs for r in plain)
+    assert all(not r.prompt_logprobs for r in plain + stream)
+
+
+async def test_prompt_logprobs_arrive_in_the_first_message(start_server, model_dir):
+    prompt = PROMPTS[1]
+    engine = LLMEngine.from_pretrained(model_dir("mixtral"), device="cpu",
+                                       config=EngineConfig(max_model_len=256, max_num_seqs=8, cpu_kv_gib=0.01))
+    [expected] = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2))
+    server = await start_server(model=str(model_dir("mixtral")))
+    stream = await generate(server.address, greedy(prompt, max_tokens=3, prompt_logprobs=2))
+    assert [len(r.prompt_logprobs) for r in stream] == [len(prompt) - 1] + [0] * (len(stream) - 1)
+    for entry, want in zip(stream[0].prompt_logprobs, expected.prompt_logprobs[1:]):
+        assert entry.rank == want.rank and entry.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t.token_id for t in entry.top] == [t for t, _ in want.top]

@@ -187,13 +187,17 @@ async def check_remote_generate_matches_local(model, *addresses: str) -> None:
     assert set(local) == {"token_ids", "text", "finish_reason", "usage"} and local["usage"]["prompt_tokens"] > 0
     assert [out for _, out, _ in outputs[1:]] == [outputs[0][1]] * len(addresses)
     # the sampling flags reach the server, and logprobs come back one per token
-    flags += ["--logprobs", "2", "--repetition-penalty", "1.3", "--min-p", "0.1"]
+    flags += ["--logprobs", "2", "--repetition-penalty", "1.3", "--min-p", "0.1", "--prompt-logprobs", "1"]
     local, remote = [json.loads((await asyncio.to_thread(run_cli, ["generate", *where, *flags]))[1])
                      for where in (["--model", str(model), "--device", "cpu"], ["--server", addresses[0]])]
     assert remote["token_ids"] == local["token_ids"] and len(remote["logprobs"]) == len(local["token_ids"])
     for theirs, ours in zip(remote["logprobs"], local["logprobs"]):
         assert theirs["rank"] == ours["rank"] and theirs["logprob"] == pytest.approx(ours["logprob"], abs=1e-5)
         assert [t["token_id"] for t in theirs["top"]] == [t["token_id"] for t in ours["top"]] and len(ours["top"]) == 2
+    assert remote["prompt_logprobs"][0] is None and local["prompt_logprobs"][0] is None
+    assert len(remote["prompt_logprobs"]) == len(local["prompt_logprobs"]) == local["usage"]["prompt_tokens"]
+    for theirs, ours in zip(remote["prompt_logprobs"][1:], local["prompt_logprobs"][1:]):
+        assert theirs["rank"] == ours["rank"] and theirs["logprob"] == pytest.approx(ours["logprob"], abs=1e-5)
     code, out, err = await asyncio.to_thread(run_cli, ["generate", "--server", addresses[0], "--prompt-ids", "5,99999"])
     assert code == 2 and out == "" and "prompt_token_ids: token id 99999 is outside the vocabulary" in err
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tandem.engine import cuda_graph
+from tandem.engine.chat import ChatMessage, ChatTemplate
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampling_params import (DuplicateRequest, InvalidRequest, RequestOutput, SamplingParams,
@@ -123,12 +124,15 @@ class Completion:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (None for the first)
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer, device: torch.device, config: EngineConfig | None = None):
+    def __init__(self, model, tokenizer, device: torch.device, config: EngineConfig | None = None,
+                 chat_template: ChatTemplate | None = None):
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.chat_template = chat_template  # None: chat requests are refused
         self.model_config = cfg = model.cfg
         self.max_model_len = context_length(cfg, config)
         dtype = next(model.parameters()).dtype
@@ -188,7 +192,7 @@ class LLMEngine:
         model, _ = load_model(model_dir, device=device, dtype=dtype, executor=expert_executor,
                               expert_threads=expert_threads, expert_quant=expert_quant, dense_quant=dense_quant,
                               experts_gguf=experts_gguf)
-        return cls(model, load_tokenizer(model_dir), device, config)
+        return cls(model, load_tokenizer(model_dir), device, config, ChatTemplate(model_dir))
 
     def _num_blocks(self, layout: KVLayout) -> tuple[int, int]:
         c = self.config
@@ -223,12 +227,22 @@ class LLMEngine:
 
     # requests
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Safe to call from any thread. (`encode_batch` runs without the GIL, `encode` holds it:
         a long text would stall every other thread for as long as it takes.)"""
         if self.tokenizer is None:
             raise InvalidRequest("prompt", "this model has no tokenizer.json: send prompt token ids instead")
-        return self.tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """The prompt token ids of a conversation, rendered by the chat template. Safe from any thread."""
+        if self.tokenizer is None:
+            raise InvalidRequest("messages", "this model has no tokenizer.json: send prompt token ids instead")
+        if self.chat_template is None:
+            raise InvalidRequest("messages", "this engine has no chat template: send prompt or prompt_token_ids")
+        text = self.chat_template.render(messages, add_generation_prompt, continue_final_message)
+        return self.encode(text, add_special_tokens=False)  # the template wrote the BOS it wants
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises InvalidRequest for bad input, QueueFull when the waiting queue is full."""
@@ -362,6 +376,9 @@ class LLMEngine:
         seq = req.seq
         new = seq.output_token_ids[req.reported:]
         logprobs = None if seq.logprobs is None else seq.logprobs[req.reported:seq.num_output_tokens]
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and not req.prompt_reported and not seq.needs_prompt_logprobs:
+            prompt_logprobs, req.prompt_reported = list(seq.prompt_logprobs), True
         text, req.pending_text = req.pending_text, ""
         if req.detok is not None:
             if len(req.detok.ids) < seq.num_output_tokens:
@@ -376,7 +393,7 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=list(new), finished=finished,
             finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens, text=text,
-            logprobs=logprobs,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
 
     def stats(self) -> EngineStats:
@@ -400,6 +417,7 @@ class LLMEngine:
             self.add_request(rid, prompt, p)
         done: dict[str, Completion] = {}
         acc = {rid: ([], [], None if p.logprobs is None else []) for rid, p in zip(ids, params)}
+        scored: dict[str, list] = {}
         while len(done) < len(ids):
             for out in self.step():
                 tokens, texts, logprobs = acc[out.request_id]
@@ -407,9 +425,12 @@ class LLMEngine:
                 texts.append(out.text)
                 if logprobs is not None:
                     logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    scored[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     done[out.request_id] = Completion(out.request_id, tokens, "".join(texts), out.finish_reason,
-                                                      out.num_prompt_tokens, out.num_cached_tokens, logprobs)
+                                                      out.num_prompt_tokens, out.num_cached_tokens, logprobs,
+                                                      scored.get(out.request_id))
         return [done[rid] for rid in ids]
 
 
@@ -470,3 +491,4 @@ class _Request:
     reported: int = 0  # output tokens already returned
     pending_text: str = ""
     stopped_by_string: bool = False  # its text ends before a stop string
+    prompt_reported: bool = False  # its prompt logprobs returned

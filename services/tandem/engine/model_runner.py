@@ -23,6 +23,8 @@ StepCallback = Callable[[int, list[int]], bool]
 
 _NOT_RUN = -2  # a multi-step decode's token for the steps it has not run (NO_TOKEN is -1)
 
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per LM-head call: [256, V] float32 logits at a time
+
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device):
@@ -66,6 +68,7 @@ class ModelRunner:
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
             hidden = self.model(input_ids, pos, self.cache, self._step_attention(on_device, on_cpu),
                                 max_position=max(positions))  # [T, H]
+        self._score_prompts(scheduled, hidden)
         # Sample from the last position of each chunk that reaches the end of its sequence.
         last, ends = [], 0
         for s in scheduled:
@@ -151,6 +154,31 @@ class ModelRunner:
                 if entry is not None:
                     seq.logprobs.append(entry)
         return tokens, penalties
+
+    def _score_prompts(self, scheduled, hidden: torch.Tensor) -> None:
+        """Prompt logprobs (Sequence.prompt_logprobs) of the requests that asked for them: each chunk
+        position p whose next token, p + 1, is a prompt token not yet scored. hidden [T, H] holds the
+        chunks' positions in scheduled order."""
+        rows, targets, owners = [], [], []
+        offset = 0
+        for s in scheduled:
+            seq, end = s.seq, s.start_pos + len(s.token_ids)
+            if seq.needs_prompt_logprobs:
+                first = len(seq.prompt_logprobs) - 1  # the position that scores the next unscored token
+                if s.start_pos <= first < end:
+                    for p in range(first, min(end, seq.num_prompt_tokens - 1)):
+                        rows.append(offset + p - s.start_pos)
+                        targets.append(seq.prompt_token_ids[p + 1])
+                        owners.append(seq)
+            offset += len(s.token_ids)
+        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            index = torch.tensor(rows[i:i + PROMPT_LOGPROBS_ROWS], device=hidden.device)
+            logits = self.model.compute_logits(hidden[index])  # [R, V]
+            part = owners[i:i + PROMPT_LOGPROBS_ROWS]
+            tokens = torch.tensor(targets[i:i + PROMPT_LOGPROBS_ROWS], device=logits.device)
+            counts = [q.params.prompt_logprobs for q in part]
+            for seq, entry in zip(part, self.sampler.logprobs(logits, tokens, counts)):
+                seq.prompt_logprobs.append(entry)
 
     def _greedy_decode(self, scheduled) -> bool:
         """A decode step of device-tier sequences that all take the argmax of the raw logits (greedy, no

@@ -55,6 +55,9 @@ class SamplingParams:
     # (0: the generated token's alone); None: none. From the model's raw distribution, before
     # penalties, temperature and cuts (vLLM's default, raw logprobs).
     logprobs: int | None = None
+    # The same for each prompt token after the first (under the model's distribution given the
+    # tokens before it): scoring a text. Such a request takes no prefix-cache hits.
+    prompt_logprobs: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -86,8 +89,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequest(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequest(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
@@ -97,9 +102,9 @@ class SamplingParams:
     def _check_kinds(self) -> None:
         if self.max_tokens is not None and not _is_int(self.max_tokens):
             raise InvalidRequest("max_tokens", f"must be an integer, got {self.max_tokens!r}")
-        for name in ("top_k", "logprobs"):
+        for name in ("top_k", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if not _is_int(value) and not (name == "logprobs" and value is None):
+            if not _is_int(value) and not (name != "top_k" and value is None):
                 raise InvalidRequest(name, f"must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -153,3 +158,5 @@ class RequestOutput:
     num_output_tokens: int = 0
     text: str = ""  # detokenized delta for new_token_ids (empty without a tokenizer)
     logprobs: list[TokenLogprobs] | None = None  # one per new_token_ids entry, when the request asked
+    # One per prompt token (None for the first), in the first output after the prompt is computed.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

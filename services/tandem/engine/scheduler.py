@@ -275,7 +275,9 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step) -> None:
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+            # A request scoring its prompt needs the hidden state of every prompt position: no cached prefix.
+            computed_blocks, num_cached = ([], 0) if seq.needs_prompt_logprobs else \
+                self.block_manager.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - num_cached, step.budget)
             # A cached prefix that leaves no room on the device tier for a chunk after it (a long
             # prompt run before, then moved to the CPU tier) would never fit: use only what does.

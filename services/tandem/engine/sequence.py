@@ -41,6 +41,9 @@ class Sequence:
     # sampled, before the scheduler appends the token: entry i is output token i's. Entries past the
     # output belong to tokens dropped after a stop.
     logprobs: list | None = None
+    # With params.prompt_logprobs set, the runner appends prompt token i's as its prefill computes
+    # position i - 1 (entry 0, the first token's, is None): complete at num_prompt_tokens entries.
+    prompt_logprobs: list | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -55,6 +58,13 @@ class Sequence:
             raise InvalidRequest("params", f"must be SamplingParams, got {type(self.params).__name__}")
         if self.logprobs is None and self.params.logprobs is not None:
             self.logprobs = []
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for and some are still to compute (no prefix-cache hits then)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

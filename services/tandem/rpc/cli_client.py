@@ -12,7 +12,7 @@ from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
 
 def build_request(args) -> inference_pb2.GenerateRequest:
     """A GenerateRequest from `tandem generate`'s flags."""
-    from tandem.cli import parse_prompt_ids
+    from tandem.cli import parse_chat, parse_prompt_ids
 
     sampling = inference_pb2.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -22,8 +22,12 @@ def build_request(args) -> inference_pb2.GenerateRequest:
         sampling.seed = args.seed
     if args.logprobs is not None:
         sampling.logprobs = args.logprobs
+    if args.prompt_logprobs is not None:
+        sampling.prompt_logprobs = args.prompt_logprobs
     request = inference_pb2.GenerateRequest(sampling=sampling)
-    if args.prompt_ids:
+    if args.chat is not None:
+        request.messages.extend(inference_pb2.ChatMessage(role=r, content=c) for r, c in parse_chat(args.chat))
+    elif args.prompt_ids:
         request.prompt_token_ids.extend(parse_prompt_ids(args.prompt_ids))
     else:
         request.prompt = args.prompt
@@ -32,18 +36,25 @@ def build_request(args) -> inference_pb2.GenerateRequest:
 
 def collect(stub, request, timeout_s: float | None = None) -> dict:
     """Runs one Generate stream to its end: token_ids, text, finish_reason, usage and, when asked
-    for, logprobs ((logprob, rank, ((token id, logprob), ...)) per token)."""
-    token_ids, texts, logprobs, last = [], [], [], None
+    for, logprobs ((logprob, rank, ((token id, logprob), ...)) per token) and prompt_logprobs (the
+    same per prompt token, None for the first)."""
+
+    def plain(e):
+        return e.logprob, e.rank, tuple((t.token_id, t.logprob) for t in e.top)
+
+    token_ids, texts, logprobs, prompt_logprobs, last = [], [], [], [None], None
     for response in stub.Generate(request, timeout=timeout_s):
         token_ids.extend(response.token_ids)
         texts.append(response.text)
-        logprobs.extend((e.logprob, e.rank, tuple((t.token_id, t.logprob) for t in e.top)) for e in response.logprobs)
+        logprobs.extend(map(plain, response.logprobs))
+        prompt_logprobs.extend(map(plain, response.prompt_logprobs))
         last = response
     if last is None or not last.finish_reason:
         raise RuntimeError("the server closed the stream without a final message")
     return {"token_ids": token_ids, "text": "".join(texts), "finish_reason": last.finish_reason,
             "prompt_tokens": last.usage.prompt_tokens, "cached_tokens": last.usage.cached_tokens,
-            "logprobs": logprobs if request.sampling.HasField("logprobs") else None}
+            "logprobs": logprobs if request.sampling.HasField("logprobs") else None,
+            "prompt_logprobs": prompt_logprobs if request.sampling.HasField("prompt_logprobs") else None}
 
 
 def run_remote_generate(args) -> int:
@@ -67,5 +78,5 @@ def run_remote_generate(args) -> int:
             return 1
     text = result["text"] if info.has_tokenizer else None
     print_result(args, result["token_ids"], text, result["finish_reason"], result["prompt_tokens"],
-                 result["cached_tokens"], result["logprobs"])
+                 result["cached_tokens"], result["logprobs"], result["prompt_logprobs"])
     return 0

@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
-from tandem.engine.sampling_params import InvalidRequest, RequestOutput, SamplingParams
+from tandem.engine.chat import ChatMessage
+from tandem.engine.sampling_params import InvalidRequest, RequestOutput, SamplingParams, TokenLogprobs
 from tandem.metrics import ServingMetrics
 from tandem.rpc.engine_loop import EngineLoop
 from tandem.rpc.errors import NoTokenizer, ServerUnavailable, outcome_of, status_of
@@ -22,7 +24,7 @@ def sampling_params_from_proto(msg: inference_pb2.SamplingParams) -> SamplingPar
     """Unset fields keep SamplingParams' defaults; bad values raise InvalidRequest naming the field."""
     kwargs = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "logprobs", "seed"):
+                 "frequency_penalty", "logprobs", "prompt_logprobs", "seed"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     return SamplingParams(
@@ -30,28 +32,53 @@ def sampling_params_from_proto(msg: inference_pb2.SamplingParams) -> SamplingPar
         ignore_eos=msg.ignore_eos)
 
 
-def prompt_from_proto(request: inference_pb2.GenerateRequest) -> str | list[int]:
-    if request.prompt and request.prompt_token_ids:
-        raise InvalidRequest("prompt", "give either prompt or prompt_token_ids, not both")
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation for the engine's encode_chat."""
+
+    messages: list[ChatMessage]
+    add_generation_prompt: bool
+    continue_final_message: bool
+
+
+def prompt_from_proto(request: inference_pb2.GenerateRequest) -> str | list[int] | ChatPrompt:
+    """The one prompt a request gives; InvalidRequest naming the field when it gives none or several."""
+    given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
+    if len(given) > 1:
+        raise InvalidRequest(given[0], f"give one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+    if not given:
+        raise InvalidRequest("prompt", "empty prompt: give prompt, prompt_token_ids or messages")
+    if not request.messages and request.HasField("add_generation_prompt"):
+        raise InvalidRequest("add_generation_prompt", "applies to messages only")
+    if not request.messages and request.continue_final_message:
+        raise InvalidRequest("continue_final_message", "applies to messages only")
     if request.prompt_token_ids:
         return list(request.prompt_token_ids)
-    if not request.prompt:
-        raise InvalidRequest("prompt", "empty prompt: give prompt or prompt_token_ids")
-    return request.prompt
+    if request.prompt:
+        return request.prompt
+    add_generation_prompt = (request.add_generation_prompt if request.HasField("add_generation_prompt")
+                             else not request.continue_final_message)
+    return ChatPrompt([ChatMessage(m.role, m.content) for m in request.messages], add_generation_prompt,
+                      request.continue_final_message)
 
 
 def response_from_output(out: RequestOutput) -> inference_pb2.GenerateResponse:
     response = inference_pb2.GenerateResponse(
         request_id=out.request_id, token_ids=out.new_token_ids, text=out.text)
-    for entry in out.logprobs or ():
-        response.logprobs.add(logprob=entry.logprob, rank=entry.rank,
-                              top=[inference_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
+    response.logprobs.extend(map(_logprobs_to_proto, out.logprobs or ()))
+    response.prompt_logprobs.extend(map(_logprobs_to_proto, (out.prompt_logprobs or [None])[1:]))
     if out.finished:
         response.finish_reason = out.finish_reason or ""
         response.usage.prompt_tokens = out.num_prompt_tokens
         response.usage.completion_tokens = out.num_output_tokens
         response.usage.cached_tokens = out.num_cached_tokens
     return response
+
+
+def _logprobs_to_proto(entry: TokenLogprobs) -> inference_pb2.TokenLogprobs:
+    return inference_pb2.TokenLogprobs(
+        logprob=entry.logprob, rank=entry.rank,
+        top=[inference_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -76,6 +103,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             loop = self._engine_loop()
             prompt = prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling)
+            if isinstance(prompt, ChatPrompt):  # rendered and encoded off the event loop, as text prompts are
+                prompt = await asyncio.to_thread(loop.engine.encode_chat, prompt.messages,
+                                                 prompt.add_generation_prompt, prompt.continue_final_message)
             request_id = request.request_id or uuid.uuid4().hex
             queue = await loop.submit(request_id, prompt, params)
         except asyncio.CancelledError:  # gone before it was admitted (deadline, disconnect)
@@ -131,10 +161,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             num_layers=getattr(cfg, "num_layers", 0),
             eos_token_ids=list(getattr(cfg, "eos_token_ids", ()) or ()),
             has_tokenizer=engine.tokenizer is not None,
+            has_chat_template=await asyncio.to_thread(has_chat_template, engine),  # loads it on first use
             role=str(self.info.get("role", "")),
             device=str(self.info.get("device", "")),
             dtype=str(self.info.get("dtype", "")),
         )
+
+
+def has_chat_template(engine) -> bool:
+    return engine.tokenizer is not None and engine.chat_template is not None and engine.chat_template.available
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:

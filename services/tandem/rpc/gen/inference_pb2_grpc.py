@@ -58,8 +58,9 @@ class InferenceServicer:
     """
 
     def Generate(self, request, context):
-        """Generates tokens for one prompt, streaming them as they are decoded. The first message
-        arrives once the prompt is prefilled; the last carries finish_reason and usage.
+        """Generates tokens for one prompt (text, token ids or a chat conversation), streaming them as
+        they are decoded. The first message arrives once the prompt is prefilled; the last carries
+        finish_reason and usage.
         Cancelling the call aborts the request and frees its KV blocks. A request the model fails
         on ends with INTERNAL after the tokens streamed before the failure.
         """
