@@ -22,11 +22,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.engine.sampling_params import RequestOutput, SamplingParams
 from tandem.experts.base import ExpertsUnavailable
 from tandem.metrics import ServingMetrics
 from tandem.rpc.errors import ServerUnavailable
+
+if TYPE_CHECKING:
+    from tandem.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +98,20 @@ class EngineLoop:
         self._thread.start()
 
     async def submit(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int] | Callable[[LLMEngine], list[int]], params: SamplingParams
     ) -> asyncio.Queue:
-        """Admits a request; returns the queue its RequestOutputs (or an exception) arrive on.
+        """Admits a request; returns the queue its RequestOutputs (or an exception) arrive on. The
+        prompt is text, token ids, or a callable that makes the ids with the engine (a chat's template).
 
         Raises InvalidRequest, QueueFull or ServerUnavailable without admitting it.
         """
         loop = asyncio.get_running_loop()
         received = time.perf_counter()  # time to first token counts the tokenizing too
-        if isinstance(prompt, str):  # in a worker thread, not the loop's: a long text takes a while
+        # in a worker thread, not the loop's: a long text (or a chat's rendering) takes a while
+        if isinstance(prompt, str):
             prompt = await asyncio.to_thread(self.engine.encode, prompt)
+        elif callable(prompt):
+            prompt = await asyncio.to_thread(prompt, self.engine)
         stream = _Stream(asyncio.Queue(), loop, received)
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._call(lambda: self._add(request_id, prompt, params, stream, done), done)

@@ -40,6 +40,10 @@ class ChatPrompt:
     add_generation_prompt: bool
     continue_final_message: bool
 
+    def __call__(self, engine) -> list[int]:
+        """Its prompt token ids (EngineLoop.submit calls it in a worker thread: rendering takes a while)."""
+        return engine.encode_chat(self.messages, self.add_generation_prompt, self.continue_final_message)
+
 
 def prompt_from_proto(request: inference_pb2.GenerateRequest) -> str | list[int] | ChatPrompt:
     """The one prompt a request gives; InvalidRequest naming the field when it gives none or several."""
@@ -103,9 +107,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             loop = self._engine_loop()
             prompt = prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling)
-            if isinstance(prompt, ChatPrompt):  # rendered and encoded off the event loop, as text prompts are
-                prompt = await asyncio.to_thread(loop.engine.encode_chat, prompt.messages,
-                                                 prompt.add_generation_prompt, prompt.continue_final_message)
             request_id = request.request_id or uuid.uuid4().hex
             queue = await loop.submit(request_id, prompt, params)
         except asyncio.CancelledError:  # gone before it was admitted (deadline, disconnect)
