@@ -5,6 +5,10 @@ adds (defaults, status, uid) are not drift, so a repeated apply of an unchanged 
 A field a builder sets to None is one the operator owns but leaves out for this spec: the server
 must not have it, and the patch's null deletes it (RFC 7386), so removing a setting from the spec
 removes it from the child.
+
+An object of the same name that another owner controls (or that nobody does and that is not
+labelled as this HybridModel's) is never taken over: patching it would overwrite someone else's
+workload, and the owner reference would have the garbage collector delete it with the HybridModel.
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-from . import kube
+from . import kube, names
 
 
 class Outcome(enum.Enum):
     CREATED = "created"
     PATCHED = "patched"
     UNCHANGED = "unchanged"
+
+
+class NotOwned(Exception):
+    """The child's name is taken by an object this HybridModel does not control; the message says whose."""
 
 
 def adopt(child: dict, owner_ref: dict) -> dict:
@@ -45,10 +53,37 @@ def apply(child: dict) -> Outcome:
                 raise
             # Another handler of the same owner created it a moment ago.
             current = kube.get(resource, meta["namespace"], meta["name"]) or {}
+    check_owned(current, child)
     if contains(current, child):
         return Outcome.UNCHANGED
     kube.patch(resource, meta["namespace"], meta["name"], _patch_body(child))
     return Outcome.PATCHED
+
+
+def check_owned(current: dict, child: dict) -> None:
+    """Raise NotOwned unless the server's `current` may be made into `child`.
+
+    It may when its controller is the child's owner, or when it has no controller and carries the
+    child's model label (the operator's own child, orphaned, e.g. by `kubectl delete --cascade=orphan`).
+    """
+    desired = _controller((child.get("metadata") or {}).get("ownerReferences"))
+    if desired is None:
+        return
+    meta = current.get("metadata") or {}
+    actual = _controller(meta.get("ownerReferences"))
+    if actual is not None and actual.get("uid") == desired.get("uid"):
+        return
+    model = ((child.get("metadata") or {}).get("labels") or {}).get(names.MODEL_LABEL)
+    if actual is None and model is not None and (meta.get("labels") or {}).get(names.MODEL_LABEL) == model:
+        return
+    whose = (f"controlled by {actual.get('kind')} {actual.get('name')} (uid {actual.get('uid')})" if actual
+             else f"not labelled {names.MODEL_LABEL}={model}")
+    raise NotOwned(f"{child['kind']} {meta.get('name')} already exists and is {whose}, not this "
+                   f"HybridModel's; delete or rename it, or rename the HybridModel")
+
+
+def _controller(references: list | None) -> dict | None:
+    return next((ref for ref in references or [] if ref.get("controller")), None)
 
 
 def contains(actual: Any, desired: Any) -> bool:

@@ -23,7 +23,9 @@ class Recommendation:
 class Decision:
     replicas: int  # what to set now
     recommended: int  # the rule's answer before stabilisation
-    reason: str  # ScaleUp, ScaleDown, WithinTolerance, Stabilized, AtLimit, PodsNotReady, Idle
+    # ScaleUp, ScaleDown, WithinTolerance, Stabilized, AtLimit, PodsNotReady, Idle; TooFewReplicas and
+    # TooManyReplicas when replicas were outside the bounds (tandem_operator.scaling.keep_bounds).
+    reason: str
 
 
 def rule(current: int, measured: float, target: float, tolerance: float, ready: int | None = None) -> int:
@@ -87,8 +89,10 @@ def decide(current: int, measured_s: float | None, spec: AutoscalingSpec, histor
     raw = spec.minReplicas if idle else rule(current, measured_s, target_s, spec.tolerance, ready)
     loading = not idle and ready < current and measured_s / target_s > 1.0 + spec.tolerance
     recommended = clamp(current if loading else raw, spec.minReplicas, spec.maxReplicas)
-    replicas = stabilize(current, recommended, history, now,
-                         spec.scaleUpStabilizationSeconds, spec.scaleDownStabilizationSeconds)
+    # Stabilisation moves `current` only towards the window's recommendations: from outside the
+    # bounds (lowered maxReplicas, a hand scale) it could stay there. The bounds hold regardless.
+    replicas = clamp(stabilize(current, recommended, history, now, spec.scaleUpStabilizationSeconds,
+                               spec.scaleDownStabilizationSeconds), spec.minReplicas, spec.maxReplicas)
     keep = max(spec.scaleUpStabilizationSeconds, spec.scaleDownStabilizationSeconds)
     history = [r for r in history if r.time > now - keep] + [Recommendation(now, recommended)]
     return Decision(replicas, recommended, _reason(current, raw, recommended, replicas, loading, idle)), history

@@ -76,8 +76,10 @@ def on_child_event(body: Mapping, logger: logging.Logger, **_: Any) -> None:
     if owner is not None:
         try:
             reconcile.reconcile(owner, logger, trigger="drift")
-        except kopf.PermanentError:
-            pass  # already reported on the owner by its own handlers
+        except (kopf.PermanentError, kopf.TemporaryError) as e:
+            # Reported on the owner's status and events; kopf never retries an event handler (the
+            # owner's own handlers and the resync do), so raising would only log it again.
+            logger.info("drift repair of HybridModel %s deferred: %s", owner["metadata"]["name"], e)
 
 
 def register(registry: kopf.OperatorRegistry, *, autoscale_interval: float = DEFAULT_AUTOSCALE_INTERVAL,

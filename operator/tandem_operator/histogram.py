@@ -32,6 +32,10 @@ def parse_histograms(text: str, metric: str) -> dict[tuple, Histogram]:
         for sample in family.samples:
             if sample.name != f"{metric}_bucket" or "le" not in sample.labels:
                 continue
+            if not math.isfinite(sample.value) or sample.value < 0:
+                # A count is never NaN, infinite or negative: a broken exporter, whose p95 would be
+                # NaN or inf. The pod is left out as unreadable rather than scaled from.
+                raise HistogramError(f"{sample.name}{{le={sample.labels['le']!r}}} is {sample.value}, not a count")
             labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
             series.setdefault(labels, {})[float(sample.labels["le"])] = float(sample.value)
     if not series:

@@ -175,7 +175,12 @@ def read_prometheus(url: str, query: str, timeout: float = SCRAPE_TIMEOUT_SECOND
     if not result:
         return None
     if all("le" in (r.get("metric") or {}) for r in result):
-        buckets = {float(r["metric"]["le"]): _sample_value(r.get("value"), url) for r in result}
+        # Several series per bucket (a query without `sum by (le)`: one per pod) are summed, as the
+        # pods source sums its pods; keeping one of them would scale from one pod's latency.
+        buckets: Histogram = {}
+        for r in result:
+            le = float(r["metric"]["le"])
+            buckets[le] = buckets.get(le, 0.0) + _sample_value(r.get("value"), url)
         return dict(sorted(buckets.items())) if all(map(math.isfinite, buckets.values())) else None
     if len(result) == 1:
         return _finite(_sample_value(result[0].get("value"), url))

@@ -11,7 +11,7 @@ import logging
 import kopf
 
 from . import kube, names
-from .apply import Outcome, adopt, apply
+from .apply import NotOwned, Outcome, adopt, apply
 from .children import build_children
 from .spec import HybridModelSpec, SpecError, check_name, parse_spec
 from .status import DEGRADED, compute_status, invalid_spec_status, rejected_child_status
@@ -19,6 +19,9 @@ from .status_store import write_status
 
 # After a throttled (429) or failed (5xx) request, kopf retries the handler this much later.
 RETRY_DELAY_SECONDS = 30
+# A child's name taken by someone else's object: retried this much later, as nothing the operator
+# watches tells it when that object is gone.
+CONFLICT_RETRY_SECONDS = 60
 
 
 def reconcile(body: dict, logger: logging.Logger | logging.LoggerAdapter, trigger: str) -> dict[str, Outcome]:
@@ -26,19 +29,23 @@ def reconcile(body: dict, logger: logging.Logger | logging.LoggerAdapter, trigge
 
     `trigger` names what started it, for events: "spec" (created or changed) or "drift".
     Raises kopf.PermanentError for an invalid spec or a child the API server rejects (after
-    reporting it in status and an event), kopf.TemporaryError when the server may accept later.
+    reporting it in status and an event), kopf.TemporaryError when the server may accept later
+    or a child's name is taken by an object this HybridModel does not own (reported likewise).
     """
     meta = body["metadata"]
     namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation")
     spec = checked_spec(body)
     owner = names.owner_reference(body)
+    # A generation not yet reconciled is a spec change on its way (a child's event can come first):
+    # its rollout is no repair of a hand edit.
+    drift = trigger == "drift" and (body.get("status") or {}).get("observedGeneration") == generation
     outcomes = {}
     for child in build_children(spec, name, namespace):
         outcome = apply_child(body, adopt(child, owner))
         outcomes[child["kind"]] = outcome
         if outcome is not Outcome.UNCHANGED:
             logger.info("%s %s/%s %s", child["kind"], namespace, name, outcome.value)
-            if trigger == "drift":
+            if drift:
                 kopf.warn(body, reason="DriftRepaired",
                           message=f"{child['kind']} {name} {outcome.value} to match the spec")
     refresh_status(namespace, name, spec, generation)
@@ -59,10 +66,14 @@ def apply_child(body: dict, child: dict) -> Outcome:
     """apply(child), with the API server's refusals reported on the HybridModel `body`.
 
     A rejected child (invalid, forbidden) will be rejected again until the spec or the cluster
-    changes: kopf.PermanentError. Anything else the server may accept later: kopf.TemporaryError.
+    changes: kopf.PermanentError. Anything else the server may accept later: kopf.TemporaryError,
+    as is a name taken by another owner's object (left untouched), once that object is gone.
     """
     try:
         return apply(child)
+    except NotOwned as e:
+        report_failure(body, "ChildConflict", str(e), *rejected_child_status(str(e), "ChildConflict"))
+        raise kopf.TemporaryError(str(e), delay=CONFLICT_RETRY_SECONDS) from None
     except kube.KubeError as e:
         what = f"{child['kind']} {child['metadata']['name']}"
         if not e.rejected:

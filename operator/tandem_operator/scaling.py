@@ -46,8 +46,20 @@ def autoscale_step(body: dict, memo: Any, logger: logging.Logger | logging.Logge
     spec = _autoscaled_spec(body)
     if spec is None:
         return None
+    try:
+        return _step(body, spec, memo, clock(), logger)
+    except kube.KubeError as e:
+        if e.status != 409:
+            raise
+        logger.info("replicas not set: the HybridModel changed since it was read; deciding again next round")
+        return None
+
+
+def _step(body: dict, spec: HybridModelSpec, memo: Any, now: float,
+          logger: logging.Logger | logging.LoggerAdapter) -> autoscaler.Decision | None:
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    now = clock()
+    if (bounded := keep_bounds(body, spec, memo, now, logger)) is not None:
+        return bounded
     pods = kube.list_labelled(kube.PODS, namespace, names.selector_labels(name))
     ready = len(ready_pods(pods))
     if not ready:
@@ -74,6 +86,44 @@ def autoscale_step(body: dict, memo: Any, logger: logging.Logger | logging.Logge
     return decision
 
 
+def keep_bounds(body: dict, spec: HybridModelSpec, memo: Any, now: float,
+                logger: logging.Logger | logging.LoggerAdapter) -> autoscaler.Decision | None:
+    """Bring replicas outside [minReplicas, maxReplicas] inside; None when they are inside.
+
+    As the HPA does, before and whatever the metrics: lowering maxReplicas while Prometheus is
+    down, or raising minReplicas while no pod is Ready, must still take effect.
+    """
+    scaling = spec.autoscaling
+    replicas = autoscaler.clamp(spec.replicas, scaling.minReplicas, scaling.maxReplicas)
+    if replicas == spec.replicas:
+        return None
+    reason, why = (("TooFewReplicas", f"below minReplicas {scaling.minReplicas}") if replicas > spec.replicas
+                   else ("TooManyReplicas", f"above maxReplicas {scaling.maxReplicas}"))
+    fields = set_replicas(body, spec, replicas, why, logger)
+    # The past recommendations were bounded by the old limits.
+    memo.recommendations = [autoscaler.Recommendation(now, replicas)]
+    meta = body["metadata"]
+    write_status(meta["namespace"], meta["name"], fields, [condition(
+        SCALING_ACTIVE, True, reason, f"spec.replicas {spec.replicas} was {why}: set to {replicas}")])
+    return autoscaler.Decision(replicas, replicas, reason)
+
+
+def set_replicas(body: dict, spec: HybridModelSpec, replicas: int, why: str,
+                 logger: logging.Logger | logging.LoggerAdapter) -> dict:
+    """Write `.spec.replicas` (with an event saying `why`); the status fields that record it."""
+    meta = body["metadata"]
+    patch: dict = {"spec": {"replicas": replicas}}
+    if meta.get("resourceVersion"):
+        # Decided from this read: a change since (`kubectl scale`, an edit) fails the write with 409
+        # instead of being overwritten, and the next round decides from the new spec.
+        patch["metadata"] = {"resourceVersion": meta["resourceVersion"]}
+    kube.patch(kube.HYBRIDMODELS, meta["namespace"], meta["name"], patch)
+    message = f"{spec.replicas} -> {replicas} replicas: {why}"
+    kopf.event(body, type="Normal", reason="ScaledUp" if replicas > spec.replicas else "ScaledDown", message=message)
+    logger.info("%s", message)
+    return {"lastScaleTime": now_iso(), "desiredReplicas": replicas}
+
+
 def apply_decision(body: dict, spec: HybridModelSpec, decision: autoscaler.Decision, measured: Measurement,
                    logger: logging.Logger | logging.LoggerAdapter) -> None:
     """Set the new replica count (with an event) and report the step in status."""
@@ -81,13 +131,8 @@ def apply_decision(body: dict, spec: HybridModelSpec, decision: autoscaler.Decis
     # None takes a stale p95 out of status while the model is idle.
     fields: dict = {"p95InterTokenLatencyMs": None if measured.p95_s is None else _ms(measured.p95_s)}
     if decision.replicas != spec.replicas:
-        kube.patch(kube.HYBRIDMODELS, namespace, name, {"spec": {"replicas": decision.replicas}})
-        fields.update(lastScaleTime=now_iso(), desiredReplicas=decision.replicas)
-        observed = _observed(spec, measured, "p95 inter-token latency")
-        message = f"{spec.replicas} -> {decision.replicas} replicas: {observed}"
-        kopf.event(body, type="Normal", reason="ScaledUp" if decision.replicas > spec.replicas else "ScaledDown",
-                   message=message)
-        logger.info("%s", message)
+        why = _observed(spec, measured, "p95 inter-token latency")
+        fields.update(set_replicas(body, spec, decision.replicas, why, logger))
     message = f"{_observed(spec, measured)}, recommended {decision.recommended}"
     if measured.skipped:
         message += f"; {len(measured.skipped)} Ready pod(s) left out, metrics unreadable: {measured.skipped[0]}"

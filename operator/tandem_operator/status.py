@@ -115,11 +115,11 @@ def invalid_spec_status(message: str) -> tuple[dict, list[dict]]:
     ]
 
 
-def rejected_child_status(message: str) -> tuple[dict, list[dict]]:
-    """Status when the API server refuses a child the spec asks for: no rollout until the spec changes."""
+def rejected_child_status(message: str, reason: str = "ChildRejected") -> tuple[dict, list[dict]]:
+    """Status when a child the spec asks for cannot be applied (refused, or its name taken): no rollout."""
     return {"phase": "Degraded"}, [
-        condition(PROGRESSING, False, "ChildRejected", message),
-        condition(DEGRADED, True, "ChildRejected", message),
+        condition(PROGRESSING, False, reason, message),
+        condition(DEGRADED, True, reason, message),
     ]
 
 

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from tandem_operator.apply import _patch_body, contains, without_nulls
+from tandem_operator.apply import NotOwned, _patch_body, adopt, check_owned, contains, without_nulls
 from tandem_operator.children import build_children
 from tandem_operator.spec import parse_spec
 
@@ -102,3 +102,29 @@ def test_zero_values_the_server_omits_are_not_drift():
 ])
 def test_missing_means_zero_and_none_means_absent(actual, desired, same):
     assert contains(actual, desired) is same
+
+
+OWNER = {"apiVersion": "tandem.dev/v1alpha1", "kind": "HybridModel", "name": "mx", "uid": "uid-mx",
+         "controller": True, "blockOwnerDeletion": True}
+
+
+def existing(owner: dict | None, labels: dict | None = None) -> dict:
+    return {"kind": "Deployment", "metadata": {"name": "mx", "labels": labels or {},
+                                               "ownerReferences": [owner] if owner else []}}
+
+
+@pytest.mark.parametrize("current, ours", [
+    (existing(OWNER), True),
+    (existing(None, {"tandem.dev/hybridmodel": "mx"}), True),  # our own child, orphaned: adopted
+    (existing(None), False),  # someone else's Deployment of the same name
+    (existing(None, {"tandem.dev/hybridmodel": "other"}), False),
+    (existing({**OWNER, "uid": "uid-older-mx"}, {"tandem.dev/hybridmodel": "mx"}), False),  # a deleted namesake's
+    (existing({"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "x", "uid": "u", "controller": True}), False),
+])
+def test_an_object_another_owner_controls_is_never_taken_over(current, ours):
+    desired = adopt(deployment(BASE), OWNER)
+    if ours:
+        check_owned(current, desired)
+    else:
+        with pytest.raises(NotOwned, match="Deployment mx already exists"):
+            check_owned(current, desired)

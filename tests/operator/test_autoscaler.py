@@ -100,6 +100,18 @@ def test_decide_clamps_to_limits():
     assert decision.replicas == 1
 
 
+@pytest.mark.parametrize("current, bounds, expected", [(1, (3, 5), 3), (8, (1, 4), 4)])
+def test_the_bounds_hold_through_the_stabilisation_windows(current, bounds, expected):
+    # minReplicas raised (or maxReplicas lowered) after replicas settled: the windows remember the old
+    # count, and stabilising towards it must not keep replicas outside the new bounds.
+    spec = AutoscalingSpec(enabled=True, minReplicas=bounds[0], maxReplicas=bounds[1], targetP95InterTokenLatencyMs=100,
+                           scaleUpStabilizationSeconds=300, scaleDownStabilizationSeconds=300)
+    for measured in (0.1, 0.02, 0.5, None):  # within tolerance, low, high, idle
+        decision, _ = decide(current, measured, spec, [Recommendation(0.0, current)], now=10.0)
+        assert decision.replicas == expected, measured
+        assert decision.reason == ("ScaleUp" if expected > current else "ScaleDown")
+
+
 def test_scale_down_waits_for_the_stabilisation_window():
     history: list[Recommendation] = []
     decision, history = decide(4, 0.4, SPEC, history, now=0.0)  # load peak: 16 -> max 10

@@ -18,7 +18,8 @@ BASE = {"model": {"path": "mixtral", "volume": {"persistentVolumeClaim": {"claim
         "image": "ghcr.io/example/tandem:0.1.0"}
 SPECS = {
     "defaults": BASE,
-    "hostpath-int8": {**BASE, "model": {"path": "", "volume": {"hostPath": {"path": "/srv/models", "type": "Directory"}}},
+    "hostpath-int8": {**BASE,
+                      "model": {"path": "", "volume": {"hostPath": {"path": "/srv/models", "type": "Directory"}}},
                       "experts": {"cpus": 48, "memory": "384Gi", "threads": 46, "quantization": "int8"},
                       "attention": {"gpus": 2, "cpus": 8, "memory": "64Gi", "numSchedulerSteps": 8},
                       "replicas": 3},
@@ -313,7 +314,8 @@ def test_container_args_are_what_tandem_serve_accepts(name):
 def test_service_and_pdb_select_the_pods():
     kids = children(BASE)
     pod_labels = kids["Deployment"]["spec"]["template"]["metadata"]["labels"]
-    for selector in (kids["Service"]["spec"]["selector"], kids["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
+    for selector in (kids["Service"]["spec"]["selector"],
+                     kids["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
                      kids["Deployment"]["spec"]["selector"]["matchLabels"]):
         assert selector.items() <= pod_labels.items()
     ports = {p["name"]: p["port"] for p in kids["Service"]["spec"]["ports"]}

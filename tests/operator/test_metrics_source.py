@@ -49,6 +49,30 @@ def test_non_finite_prometheus_samples_are_no_samples(server, value):
     assert measured.p95_s is None and not measured.idle
 
 
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-1"])
+def test_a_pod_exporting_a_non_finite_count_is_left_out(server, value):
+    window, broken = PodWindow(), pod("broken", server.port)
+    with fake_server() as healthy:
+        good = pod("good", healthy.port)
+        healthy.metrics = exposition({0.05: 10.0})
+        server.metrics = exposition({0.05: 1.0}).replace(" 1.0\n", f" {value}\n", 1)
+        first = read_pods([broken, good], window, 0.0, 60)
+        healthy.metrics = exposition({0.05: 30.0})
+        second = read_pods([broken, good], window, 10.0, 60)
+    assert len(first.skipped) == len(second.skipped) == 1 and "not a count" in second.skipped[0]
+    assert second.observed == {0.05: 20.0, math.inf: 20.0}  # the good pod's, not NaN or inf
+    with pytest.raises(MetricsError, match="not a count"):  # alone: no reading at all, so no decision
+        read_pods([broken], PodWindow(), 0.0, 60)
+
+
+def test_prometheus_series_of_the_same_bucket_are_summed(server):
+    # A custom query without `sum by (le)`: one series per pod and bucket.
+    url = f"http://127.0.0.1:{server.port}"
+    server.answer = vector(({"le": "0.05", "pod": "a"}, "90"), ({"le": "+Inf", "pod": "a"}, "90"),
+                           ({"le": "0.05", "pod": "b"}, "0"), ({"le": "+Inf", "pod": "b"}, "10"))
+    assert read_prometheus(url, "increase(x_bucket[1m])") == {0.05: 90.0, math.inf: 100.0}
+
+
 def test_an_unreadable_pod_is_left_out(server):
     window, good, dead = PodWindow(), pod("good", server.port), pod("dead", 1)
     server.metrics = exposition({0.05: 10.0})

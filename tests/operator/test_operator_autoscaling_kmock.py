@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import kmock
+
 from fake_metrics import exposition, fake_server
 from hm_cluster import DEPLOYMENT, core_path, hybrid_model, model_path, wait_for
 from tandem_serve import drive_load, observed_bucket_range_ms, scrape
@@ -63,6 +65,47 @@ async def test_unreadable_metrics_make_no_decision(cluster, operator):
     assert "127.0.0.1:1/metrics" in condition(model, "ScalingActive")["message"]
     assert model["spec"]["replicas"] == 1
     await wait_for(lambda: cluster.events("FailedGetMetrics"), what="a FailedGetMetrics event")
+
+
+async def test_lowered_max_replicas_holds_while_prometheus_is_down(cluster, operator):
+    # Replicas settled at 5, then maxReplicas lowered to 3 (to free GPUs) while Prometheus is down.
+    autoscaling = dict(AUTOSCALING, maxReplicas=3,
+                       metrics={"source": "Prometheus", "prometheus": {"url": "http://127.0.0.1:1"}})
+    await cluster.create_model(hybrid_model("capped", replicas=5, autoscaling=autoscaling))
+    await cluster.create(core_path("pods"), pod("capped-1", "capped"))
+
+    model = await wait_for(lambda: _with_status(cluster, "capped", "desiredReplicas", 3), what="desiredReplicas 3")
+    assert model["spec"]["replicas"] == 3
+    await wait_for(lambda: _replicas(cluster, "capped", 3), what="the Deployment at 3 replicas")
+    (event,) = await wait_for(lambda: cluster.events("ScaledDown"), what="a ScaledDown event")
+    assert event["message"] == "5 -> 3 replicas: above maxReplicas 3"
+    # Then, within the bounds, no latency to act on: hold, and say why.
+    await wait_for(lambda: _is(scaling_reason(cluster, "capped"), "FailedGetMetrics"), what="FailedGetMetrics")
+    assert (await cluster.get(model_path("capped")))["spec"]["replicas"] == 3
+
+
+async def test_replicas_changed_since_the_read_are_not_overwritten(cluster, operator):
+    # The server answers 409 to a write made from resourceVersion 1, as it does once someone (a
+    # `kubectl scale`) changed the HybridModel after the autoscaler read it.
+    def stale(request) -> bool:
+        data = request.data if isinstance(request.data, dict) else {}
+        return "spec" in data and (data.get("metadata") or {}).get("resourceVersion") == "1"
+
+    cluster.kmock["patch", model_path("racy"), stale] << kmock.KubernetesError(
+        status=409, reason="Conflict", message="the object has been modified; please apply your changes "
+                                               "to the latest version and try again")
+    autoscaling = dict(AUTOSCALING, maxReplicas=3)
+    await cluster.create_model(hybrid_model("racy", replicas=5, autoscaling=autoscaling))
+
+    # The write names the version it was decided from, and the server refuses it.
+    await wait_for(lambda: [r for r in list(cluster.kmock) if r.method == "PATCH" and stale(r)],
+                   what="a replicas write from resourceVersion 1")
+    # KMock applies a patch even when a reaction answers an error: its Deployment follows, but the
+    # operator took the 409 as a write that did not happen.
+    await wait_for(lambda: _replicas(cluster, "racy", 3), what="KMock's copy rolled out")
+    await wait_for(lambda: _is(scaling_reason(cluster, "racy"), "NoReadyPods"), what="the next round")
+    assert "lastScaleTime" not in (await cluster.get(model_path("racy")))["status"]
+    assert not await cluster.events("ScaledDown")
 
 
 async def test_an_unreachable_pod_does_not_stop_scaling(cluster, operator):

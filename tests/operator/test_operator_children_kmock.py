@@ -10,7 +10,7 @@ import re
 import kmock
 import kopf
 import pytest
-from hm_cluster import DEPLOYMENT, hybrid_model, model_path, wait_for, wait_for_phase
+from hm_cluster import DEPLOYMENT, NS, SERVICE, core_path, hybrid_model, model_path, wait_for, wait_for_phase
 from test_operator_kmock import condition
 
 from tandem_operator import handlers, kube, reconcile
@@ -64,6 +64,37 @@ async def test_a_rejected_child_is_reported_once_not_retried_forever(cluster, op
     assert len(await cluster.events("ChildRejected")) == 1
 
 
+async def test_a_namesake_someone_else_owns_is_left_alone_and_reported(cluster, operator, monkeypatch):
+    monkeypatch.setattr(reconcile, "CONFLICT_RETRY_SECONDS", 0.3)
+    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "taken", "namespace": NS,
+                                                                  "labels": {"app": "billing"}},
+              "spec": {"selector": {"app": "billing"}, "ports": [{"name": "http", "port": 80}]}}
+    await cluster.create(core_path("services"), theirs)
+    await cluster.create_model(hybrid_model("taken"))
+
+    async def conflict():
+        model = await cluster.get(model_path("taken"))
+        found = condition(model, "Degraded")
+        return found if found.get("reason") == "ChildConflict" else None
+
+    found = await wait_for(conflict, what="Degraded ChildConflict")
+    assert found["status"] == "True" and "Service taken already exists" in found["message"]
+    await wait_for(lambda: cluster.events("ChildConflict"), what="a ChildConflict event")
+    service = await cluster.get(SERVICE("taken"))
+    # Not patched, not adopted: deleting the HybridModel must not delete someone else's Service.
+    assert service["spec"]["selector"] == {"app": "billing"} and not service["metadata"].get("ownerReferences")
+
+    # Once the namesake is gone, the retry creates the model's own Service.
+    await cluster.delete(SERVICE("taken"))
+
+    async def ours():
+        service = await cluster.get(SERVICE("taken"))
+        return service if service and service["metadata"].get("ownerReferences") else None
+
+    service = await wait_for(ours, what="the model's own Service")
+    assert service["spec"]["selector"] == {"tandem.dev/hybridmodel": "taken"}
+
+
 @pytest.mark.parametrize("status, error", [(400, kopf.PermanentError), (403, kopf.PermanentError),
                                            (422, kopf.PermanentError), (429, kopf.TemporaryError),
                                            (500, kopf.TemporaryError), (503, kopf.TemporaryError)])
@@ -88,6 +119,23 @@ async def test_api_errors_become_kopf_retries_or_give_up(cluster, monkeypatch, s
     else:
         assert degraded["reason"] == "ChildRejected" and "the server says no" in degraded["message"]
         assert warnings == ["ChildRejected"]
+
+
+@pytest.mark.parametrize("observed, repaired", [(1, False), (2, True)])
+async def test_a_spec_change_reaching_children_first_is_no_drift(cluster, monkeypatch, observed, repaired):
+    # A pod's event can reconcile generation 2 before the update handler does: that rollout is the
+    # spec's, not a repair of a hand edit, and must not raise a DriftRepaired warning.
+    body = hybrid_model("fresh", replicas=2)
+    body["metadata"]["generation"] = 2
+    body["status"] = {"observedGeneration": observed}
+    await cluster.create_model(body, validate=False)
+    await asyncio.to_thread(configure_client)
+    warnings = []
+    monkeypatch.setattr(kopf, "warn", lambda obj, reason, message: warnings.append(reason))
+
+    outcomes = await asyncio.to_thread(reconcile.reconcile, body, LOG, "drift")
+    assert set(outcomes.values()) == {reconcile.Outcome.CREATED}
+    assert warnings == (["DriftRepaired"] * 3 if repaired else [])
 
 
 async def test_a_name_that_cannot_name_a_service_is_an_invalid_spec(cluster, operator):
