@@ -80,7 +80,7 @@ def test_repetition_penalty_is_transformers_processor_over_prompt_and_output():
     logits = random_logits(1, 300, seed=6)[0]
     logits[[5, 9]] = torch.tensor([-2.0, 3.0])  # one negative and one positive penalized logit, for sure
     s = seq(prompt, output, repetition_penalty=1.7)
-    ours = Penalties.of([s], 300, torch.device("cpu")).apply(logits[None])[0]
+    ours = Penalties.of([s], torch.device("cpu")).apply(logits[None])[0]
     theirs = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[None].clone())[0]
     assert torch.equal(ours, theirs)
     assert not torch.equal(ours, logits)
@@ -91,7 +91,7 @@ def test_presence_and_frequency_penalties_follow_openais_formula_over_the_output
     prompt, output = [3, 3, 8], [8, 11, 11, 11, 200]
     logits = random_logits(1, 300, seed=7)[0]
     s = seq(prompt, output, presence_penalty=presence, frequency_penalty=frequency)
-    ours = Penalties.of([s], 300, torch.device("cpu")).apply(logits[None])[0]
+    ours = Penalties.of([s], torch.device("cpu")).apply(logits[None])[0]
     assert torch.allclose(ours, openai_penalized(logits, output, presence, frequency), atol=1e-6)
     assert ours[3] == logits[3]  # in the prompt only: not penalized
 
@@ -100,30 +100,36 @@ def test_all_penalties_together_repetition_first_as_vllm():
     prompt, output = [4, 6], [6, 6, 90]
     logits = random_logits(1, 300, seed=8)[0]
     s = seq(prompt, output, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.25)
-    ours = Penalties.of([s], 300, torch.device("cpu")).apply(logits[None])[0]
+    ours = Penalties.of([s], torch.device("cpu")).apply(logits[None])[0]
     repeated = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits[None].clone())[0]
     assert torch.allclose(ours, openai_penalized(repeated, output, 0.4, 0.25), atol=1e-6)
 
 
 def test_penalties_touch_only_their_rows_and_steps_add_to_the_counts():
-    logits = random_logits(3, 300, seed=9)
-    seqs = [seq([1, 2], [3]), seq([1, 2], [3], frequency_penalty=1.0), seq([5], [], repetition_penalty=2.0)]
-    penalties = Penalties.of(seqs, 300, torch.device("cpu"))
+    logits = random_logits(4, 300, seed=9)
+    logits[3, 7] = -1.5  # a negative logit the repetition penalty multiplies
+    seqs = [seq([1, 2], [3]), seq([1, 2], [3, 3], frequency_penalty=1.0, presence_penalty=0.5),
+            seq([5], [], repetition_penalty=2.0), seq([7], [9], repetition_penalty=1.5, frequency_penalty=-0.5)]
+    penalties = Penalties.of(seqs, torch.device("cpu"))
     out = penalties.apply(logits)
     assert torch.equal(out[0], logits[0])
-    assert out[1, 3] == logits[1, 3] - 1.0
-    penalties.add(torch.tensor([50, 60, -1]))  # a NO_TOKEN adds nothing
+    assert out[1, 3] == logits[1, 3] - 2.5 and out[1, 1] == logits[1, 1]
+    for _ in range(2):  # the second time, tokens the rows have seen already
+        penalties.add(torch.tensor([50, 3, 5, 9]))
     later = penalties.apply(logits)
-    rebuilt = Penalties.of([seqs[0], seq([1, 2], [3, 60], frequency_penalty=1.0), seqs[2]], 300,
+    rebuilt = Penalties.of([seqs[0], seq([1, 2], [3, 3, 3, 3], frequency_penalty=1.0, presence_penalty=0.5),
+                            seq([5], [5, 5], repetition_penalty=2.0),
+                            seq([7], [9, 9, 9], repetition_penalty=1.5, frequency_penalty=-0.5)],
                            torch.device("cpu")).apply(logits)
-    assert torch.equal(later, rebuilt)
-    assert Penalties.of([seqs[0]], 300, torch.device("cpu")) is None
+    assert torch.allclose(later, rebuilt, atol=1e-6)
+    assert later[3, 7] == logits[3, 7] * 1.5
+    assert Penalties.of([seqs[0]], torch.device("cpu")) is None
 
 
 def test_a_penalty_changes_greedy_sampling_and_needs_the_seen_tokens():
     logits = torch.tensor([[1.0, 3.0, 2.9, 0.0]])
     s = seq([0], [1], temperature=0, presence_penalty=0.5)
-    assert Sampler().sample(logits, [s.params], [None], Penalties.of([s], 4, torch.device("cpu"))).item() == 2
+    assert Sampler().sample(logits, [s.params], [None], Penalties.of([s], torch.device("cpu"))).item() == 2
     with pytest.raises(ValueError, match="penalty"):
         Sampler().sample(logits, [s.params], [None])
     assert not Sampler.argmax_only(s.params) and Sampler.argmax_only(SamplingParams(temperature=0))

@@ -146,7 +146,7 @@ class ModelRunner:
             for seq, row in zip(seqs, logits):
                 self.logits_hook(seq.request_id, row)
         if penalties is None:
-            penalties = Penalties.of(seqs, logits.shape[1], logits.device)
+            penalties = Penalties.of(seqs, logits.device)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], generators, penalties)
         wanted = [s.params.logprobs for s in seqs]
         if any(n is not None for n in wanted):

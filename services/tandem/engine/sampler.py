@@ -37,11 +37,11 @@ class Sampler:
             raise ValueError("a request sets a penalty: sample needs the tokens its rows have seen (Penalties)")
         logits = logits.float()  # [B, V]
         # argmax prefers a NaN to any number, as max does: the top logit is finite only in a sound row
-        top = logits.max(dim=-1).values  # [B]
+        top, tokens = logits.max(dim=-1)  # [B] each: the first of tied maxima, as argmax takes
         broken = ~top.isfinite()  # [B]
         if penalties is not None:
             logits = penalties.apply(logits)  # [B, V], a new tensor
-        tokens = logits.argmax(dim=-1)  # [B]
+            tokens = logits.argmax(dim=-1)  # [B]
         rows = [i for i, p in enumerate(params) if not self.is_greedy(p)]
         if rows:
             index = torch.tensor(rows, device=logits.device)
@@ -145,48 +145,69 @@ class Sampler:
 
 
 class Penalties:
-    """The tokens seen by the rows of a batch whose params set a penalty, on the logits' device:
-    whether each token is in the row's prompt, and each token's count in its output. `apply`
-    penalizes logits with them; a multi-step decode `add`s each step's tokens."""
+    """The tokens seen by the rows of a batch whose params set a penalty, as (row, token id) pairs on
+    the logits' device: each distinct prompt or output token for the repetition penalty, each output
+    token occurrence for presence and frequency. Sparse: a step touches the seen tokens' logits, not
+    the vocabulary's (a dense [R, V] state cost ~15 ms a step at 152k tokens, in page faults). A
+    multi-step decode `add`s each step's tokens without leaving the device."""
 
     def __init__(self, rows: list[int], params: list[SamplingParams], prompts: list[list[int]],
-                 outputs: list[list[int]], vocab: int, device: torch.device):
-        self.index = torch.tensor(rows, dtype=torch.long, device=device)  # [R]: the rows penalized
-        self.in_prompt = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)  # [R, V]
-        self.counts = torch.zeros(len(rows), vocab, device=device)  # [R, V]: in the output
-        for r, (prompt, output) in enumerate(zip(prompts, outputs)):
-            self.in_prompt[r, torch.tensor(prompt, dtype=torch.long, device=device)] = True
-            ids = torch.tensor(output, dtype=torch.long, device=device)
-            self.counts[r].index_add_(0, ids, torch.ones(len(output), device=device))
+                 outputs: list[list[int]], device: torch.device):
+        self.index = torch.tensor(rows, dtype=torch.long, device=device)  # [R]: the batch rows penalized
+        seen_rows, seen_ids, out_rows, out_ids = [], [], [], []
+        for r, (p, prompt, output) in enumerate(zip(params, prompts, outputs)):
+            if p.repetition_penalty != 1:
+                seen = set(prompt).union(output)
+                seen_rows += [r] * len(seen)
+                seen_ids += seen
+            if p.presence_penalty or p.frequency_penalty:
+                out_rows += [r] * len(output)
+                out_ids += output
 
-        def column(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], device=device)[:, None]  # [R, 1]
+        def tensor(values: list, dtype=torch.long) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
 
+        self.seen = (tensor(seen_rows), tensor(seen_ids))  # ([S], [S]): repetition's pairs, distinct
+        self.out = (tensor(out_rows), tensor(out_ids))  # ([O], [O]): each output token, repeated as it is
         self.repetition, self.presence, self.frequency = (
-            column("repetition_penalty"), column("presence_penalty"), column("frequency_penalty"))
+            tensor([getattr(p, name) for p in params], torch.float32)
+            for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"))  # [R] each
 
     @classmethod
-    def of(cls, seqs, vocab: int, device: torch.device) -> Penalties | None:
+    def of(cls, seqs, device: torch.device) -> Penalties | None:
         """For a batch of Sequences (tandem.engine.sequence) in row order; None when none is penalized."""
         rows = [i for i, s in enumerate(seqs) if s.params.penalized]
         if not rows:
             return None
         return cls(rows, [seqs[i].params for i in rows], [seqs[i].prompt_token_ids for i in rows],
-                   [seqs[i].output_token_ids for i in rows], vocab, device)
+                   [seqs[i].output_token_ids for i in rows], device)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] float32 -> penalized logits [B, V] (a new tensor)."""
-        rows = logits[self.index]  # [R, V]
-        in_output = self.counts > 0  # [R, V]
-        penalized = torch.where(rows < 0, rows * self.repetition, rows / self.repetition)
-        rows = torch.where(self.in_prompt | in_output, penalized, rows)
-        rows = rows - self.frequency * self.counts - self.presence * in_output
-        return logits.index_copy(0, self.index, rows)
+        """logits [B, V] float32 -> penalized logits [B, V] (a new tensor).
+
+        A pair listed twice writes the same value twice: each write is computed from the logits as
+        they were before that write, so repetition and presence count a token once whatever its
+        count, and frequency (accumulated) counts each occurrence."""
+        out = logits.clone()  # [B, V]
+        r, t = self.seen  # r: among the R penalized rows; self.index[r]: the batch's
+        if len(t):
+            v = out[self.index[r], t]  # [S]
+            f = self.repetition[r]  # [S]
+            out[self.index[r], t] = torch.where(v < 0, v * f, v / f)
+        r, t = self.out
+        if len(t):
+            out.index_put_((self.index[r], t), -self.frequency[r], accumulate=True)
+            out[self.index[r], t] = out[self.index[r], t] - self.presence[r]
+        return out
 
     def add(self, tokens: torch.Tensor) -> None:
-        """A step's tokens [B] (a NO_TOKEN counts for nothing) join the outputs they were sampled for."""
-        new = tokens[self.index]  # [R]
-        self.counts.scatter_add_(1, new.clamp_min(0)[:, None], (new >= 0).float()[:, None])
+        """A step's tokens [B] join the outputs they were sampled for. Every penalized row's token
+        joins both lists: a penalty of 1 (or 0) leaves its logit as it is. A NO_TOKEN counts as
+        token 0: its sequence finishes with "error", and the tokens sampled after it are dropped."""
+        new = tokens[self.index].clamp_min(0)  # [R]
+        every = torch.arange(len(new), device=new.device)  # [R]
+        self.seen = (torch.cat([self.seen[0], every]), torch.cat([self.seen[1], new]))
+        self.out = (torch.cat([self.out[0], every]), torch.cat([self.out[1], new]))
 
 
 CANDIDATES = 1024  # the most likely tokens a cut looks at first (_cut_among_candidates)
