@@ -5,7 +5,9 @@ process on the same logits.
     python benchmarks/sampler.py [--threads N] [--batches 1,8,32] [--vocabs 32000,152064]
 
 Logits are random normal times 3 (a peaked row, as a language model's are: top_p 0.9 falls within
-the first thousand tokens). Prints ms per call (best of 5) and the ratio.
+the first thousand tokens). Prints ms per call (best of 5) and the ratio. Then the cost of the
+repetition, presence and frequency penalties (a 512-token prompt, 256 tokens out) on a greedy
+step, against the same step without them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,30 @@ def main() -> None:
                 now = best_ms(lambda: s.probs(logits, [params] * batch))
                 print(f"V {vocab} B {batch} {name}: full sort {base:.2f} ms, candidates {now:.2f} ms: "
                       f"{base / now:.1f}x")
+            penalties(vocab, batch)
+
+
+def penalties(vocab: int, batch: int) -> None:
+    from tandem.engine.sampler import Penalties, Sampler
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.sequence import Sequence
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(batch, vocab, generator=g) * 3
+    prompt, output = torch.randint(vocab, (512,), generator=g).tolist(), torch.randint(vocab, (256,), generator=g)
+
+    def step(**params) -> float:
+        seqs = [Sequence(f"r{i}", prompt, SamplingParams(temperature=0, **params)) for i in range(batch)]
+        for s in seqs:
+            s.output_token_ids = output.tolist()
+        sampler, device = Sampler(), torch.device("cpu")
+        return best_ms(lambda: sampler.sample(logits, [s.params for s in seqs], [None] * batch,
+                                              Penalties.of(seqs, device)))
+
+    base = step()
+    now = step(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.5)
+    print(f"V {vocab} B {batch} greedy: plain {base:.2f} ms, with the three penalties {now:.2f} ms: "
+          f"{now / base:.1f}x")
 
 
 if __name__ == "__main__":
