@@ -72,6 +72,10 @@ BAD_SPECS = {
     "empty image": ("spec.image", ""),
     "no model volume": ("spec.model.volume", None),
     "two volume sources": ("spec.model.volume", {"emptyDir": {}, "hostPath": {"path": "/m"}}),
+    "misspelled volume source": ("spec.model.volume", {"hostPth": {"path": "/m"}}),
+    "misspelled volume field": ("spec.model.volume", {"hostPath": {"path": "/m", "tpye": "Directory"}}),
+    "volume field of the wrong type": ("spec.model.volume", {"persistentVolumeClaim": {"claimName": "m",
+                                                                                       "readOnly": "yes"}}),
     "path escapes the volume": ("spec.model.path", "../etc"),
     "unknown dtype": ("spec.model.dtype", "int8"),
     "misspelled field": ("spec.atention", {"gpus": 1}),
@@ -109,11 +113,16 @@ def test_experts_gguf_is_a_relative_gguf_path(path):
 
 
 def test_conversion_closes_records_and_keeps_open_fields_open():
-    # Volume sources stay free-form (x-kubernetes-preserve-unknown-fields), records are closed.
+    # The volume source is a Kubernetes type in the CRD: closed at every level, like any record.
     example = mutate("spec.model.volume", {"nfs": {"server": "nas", "path": "/models", "readOnly": True}})
     VALIDATOR.validate(example)
+    volume = SCHEMA["properties"]["spec"]["properties"]["model"]["properties"]["volume"]
     assert SCHEMA["properties"]["spec"]["additionalProperties"] is False
-    assert "additionalProperties" not in SCHEMA["properties"]["spec"]["properties"]["model"]["properties"]["volume"]
+    assert volume["additionalProperties"] is False and volume["properties"]["nfs"]["additionalProperties"] is False
+    # A field left free-form (x-kubernetes-preserve-unknown-fields) stays open.
+    open_field = {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                  "properties": {"a": {"type": "string"}}}
+    assert crd_schema.to_json_schema(open_field) == {"type": "object", "properties": {"a": {"type": "string"}}}
 
 
 def test_conversion_of_openapi_only_keywords():

@@ -11,6 +11,7 @@ import pytest
 from hm_cluster import crd_schema, hybrid_model, load_crd
 
 from tandem_operator import names
+from tandem_operator.placement import PREFERRED, REQUIRED
 from tandem_operator.spec import (AttentionSpec, AutoscalingSpec, ExpertsSpec, KVCacheSpec, PlacementSpec,
                                   SpecError, check_name, parse_spec)
 
@@ -27,6 +28,17 @@ GOOD = {
     "multi-step": {"attention": {"numSchedulerSteps": 64}},
     "gguf": {"experts": {"gguf": "DeepSeek-R1-GGUF/Q4_K_M/DeepSeek-R1-Q4_K_M-00001-of-00009.gguf"}},
     "gguf-at-the-root": {"experts": {"gguf": "m.gguf", "quantization": "none"}},
+    # The Kubernetes docs' examples (Assigning Pods to Nodes; Taints and Tolerations).
+    "placement": {"placement": {
+        "nodeAffinity": {
+            REQUIRED: {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["antarctica-east1"]}]}]},
+            PREFERRED: [{"weight": 1, "preference": {"matchExpressions": [
+                {"key": "another-node-label-key", "operator": "In", "values": ["another-node-label-value"]}]}}]},
+        "tolerations": [{"key": "key1", "operator": "Equal", "value": "value1", "effect": "NoSchedule"},
+                        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+                         "tolerationSeconds": 6000},
+                        {"operator": "Exists"}]}},
 }
 # Each breaks one rule the schema itself can express (CEL rules are checked in parse_spec).
 BAD = {
@@ -60,6 +72,22 @@ BAD = {
     "bare-suffix-gguf": ({"experts": {"gguf": ".gguf"}}, "spec.experts.gguf"),
     "too-long-gguf": ({"experts": {"gguf": "a" * 1020 + ".gguf"}}, "spec.experts.gguf"),
     "number-gguf": ({"experts": {"gguf": 8}}, "spec.experts.gguf"),
+}
+# Kubernetes types (placement, the model's volume) carry Kubernetes' schemas; parse_spec passes
+# them through to the pod template, so the schema alone checks them.
+BAD_KUBERNETES = {
+    "toleration-effect": ({"placement": {"tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedul"}]}},
+                          ["spec", "placement", "tolerations", 0, "effect"]),
+    "toleration-operator": ({"placement": {"tolerations": [{"key": "gpu", "operator": "exists"}]}},
+                            ["spec", "placement", "tolerations", 0, "operator"]),
+    "selector-operator": ({"placement": {"nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "gpu", "operator": "in"}]}]}}}},
+        ["spec", "placement", "nodeAffinity", REQUIRED, "nodeSelectorTerms", 0, "matchExpressions", 0, "operator"]),
+    "no-terms": ({"placement": {"nodeAffinity": {REQUIRED: {}}}}, ["spec", "placement", "nodeAffinity", REQUIRED]),
+    "string-weight": ({"placement": {"nodeAffinity": {PREFERRED: [{"weight": "1", "preference": {}}]}}},
+                      ["spec", "placement", "nodeAffinity", PREFERRED, 0, "weight"]),
+    "string-claim-readonly": ({"model": {"volume": {"persistentVolumeClaim": {"claimName": "m", "readOnly": "yes"}}}},
+                              ["spec", "model", "volume", "persistentVolumeClaim", "readOnly"]),
 }
 # Cross-field rules: CEL in the CRD (x-kubernetes-validations), enforced again by parse_spec.
 BAD_CEL = {
@@ -98,6 +126,26 @@ def test_bad_specs_fail_schema_and_parser(name):
     assert errors, f"the CRD schema accepted {name}"
     with pytest.raises(SpecError, match=field):
         parse_spec(model["spec"])
+
+
+@pytest.mark.parametrize("name", BAD_KUBERNETES)
+def test_kubernetes_typed_fields_reject_bad_values_at_the_field(name):
+    overrides, path = BAD_KUBERNETES[name]
+    errors = list(jsonschema.Draft4Validator(crd_schema()).iter_errors(body(overrides)))
+    assert [list(error.absolute_path) for error in errors] == [path]
+
+
+def test_kubernetes_typed_fields_declare_their_fields():
+    # The API server prunes what a schema does not declare (kubectl's strict field validation
+    # rejects it): declared, a typo such as `operater` or `...Executions` fails `kubectl apply`
+    # rather than vanishing from the pods' template.
+    spec = crd_schema()["properties"]["spec"]["properties"]
+    placement = spec["placement"]["properties"]
+    assert set(placement["nodeAffinity"]["properties"]) == {REQUIRED, PREFERRED}
+    assert set(placement["tolerations"]["items"]["properties"]) == {"key", "operator", "value", "effect",
+                                                                    "tolerationSeconds"}
+    assert {"persistentVolumeClaim", "hostPath", "nfs"} <= set(spec["model"]["properties"]["volume"]["properties"])
+    assert "x-kubernetes-preserve-unknown-fields" not in str(crd_schema())
 
 
 @pytest.mark.parametrize("name", BAD_CEL)

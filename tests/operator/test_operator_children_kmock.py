@@ -40,12 +40,14 @@ async def test_settings_taken_out_of_the_spec_are_taken_off_the_deployment(clust
 
 
 async def test_a_rejected_child_is_reported_once_not_retried_forever(cluster, operator):
-    message = 'spec.template.spec.tolerations[0].operator: Unsupported value: "Exist"'
+    # A rule the CRD's schema cannot express (a typo such as operator: Exist it rejects itself).
+    toleration = {"key": "k", "operator": "Exists", "value": "v"}
+    message = 'spec.template.spec.tolerations[0].operator: Invalid value: "v": value must be empty'
     # KMock stores a created object even when a reaction answers an error: hide it from GETs too.
     cluster.kmock["post", re.compile(r".*/deployments")] << kmock.KubernetesError(
         status=422, reason="Invalid", message=f'Deployment.apps "rej" is invalid: {message}')
     cluster.kmock["get", re.compile(r".*/deployments/rej")] << kmock.KubernetesNotFoundError()
-    await cluster.create_model(hybrid_model("rej", placement={"tolerations": [{"key": "k", "operator": "Exist"}]}))
+    await cluster.create_model(hybrid_model("rej", placement={"tolerations": [toleration]}))
 
     async def degraded():
         model = await cluster.get(model_path("rej"))

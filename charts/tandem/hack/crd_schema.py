@@ -79,3 +79,56 @@ def _numeric_exclusive_bounds(schema: dict[str, Any]) -> None:
             schema[flag] = schema.pop(bound)
         elif schema.get(flag) is False:
             del schema[flag]
+
+
+# What a structural schema may not say inside allOf/anyOf/oneOf/not (apiextensions' rule).
+_NOT_IN_JUNCTORS = ("type", "description", "default", "additionalProperties", "nullable")
+_INT_OR_STRING = [{"type": "integer"}, {"type": "string"}]
+
+
+def structural_errors(schema: dict[str, Any]) -> list[str]:
+    """Where a CRD's openAPIV3Schema breaks the structural-schema rules that decide pruning.
+
+    The API server refuses a CRD whose schema is not structural; a structural schema prunes
+    every field it does not declare, so the rules are checked here offline, with one more: an
+    object that declares no fields and does not preserve them (`{type: object}`) prunes all of
+    them, silently, and is reported (the root `metadata` aside: the API server owns it). A
+    subset of Kubernetes' checks: CEL, defaults and list-map keys are not checked here.
+    """
+    errors: list[str] = []
+    _structural(schema, "", errors, junctor=False)
+    return errors
+
+
+def _structural(node: dict[str, Any], path: str, errors: list[str], junctor: bool) -> None:
+    where = path or "<root>"
+    open_ = node.get("x-kubernetes-preserve-unknown-fields") is True
+    int_or_string = node.get("x-kubernetes-int-or-string") is True
+    if "$ref" in node:
+        errors.append(f"{where}: $ref (a CRD inlines every type)")
+    if junctor:
+        errors.extend(f"{where}: {key} inside allOf/anyOf/oneOf/not" for key in _NOT_IN_JUNCTORS if key in node)
+    elif "type" not in node and not (open_ or int_or_string):
+        errors.append(f"{where}: no type")
+    elif not isinstance(node.get("type", ""), str):
+        errors.append(f"{where}: type {node['type']} is not one type")
+    if int_or_string and ("type" in node or node.get("anyOf", _INT_OR_STRING) != _INT_OR_STRING):
+        errors.append(f"{where}: x-kubernetes-int-or-string needs no type and anyOf [integer, string]")
+    if "properties" in node and "additionalProperties" in node:
+        errors.append(f"{where}: properties and additionalProperties together")
+    if node.get("additionalProperties") is False:
+        errors.append(f"{where}: additionalProperties: false (a CRD prunes instead)")
+    fields = ("properties", "additionalProperties")
+    if node.get("type") == "object" and not open_ and not any(k in node for k in fields) and path != ".metadata":
+        errors.append(f"{where}: an object without fields (the API server prunes all of them)")
+    for name, sub in (node.get("properties") or {}).items():
+        _structural(sub, f"{path}.{name}", errors, junctor)
+    for key, suffix in (("items", "[]"), ("additionalProperties", ".*")):
+        if isinstance(node.get(key), dict):
+            _structural(node[key], path + suffix, errors, junctor)
+    for key in ("allOf", "anyOf", "oneOf"):
+        for index, sub in enumerate(node.get(key, [])):
+            if not (int_or_string and key == "anyOf"):
+                _structural(sub, f"{path}.{key}[{index}]", errors, junctor=True)
+    if isinstance(node.get("not"), dict):
+        _structural(node["not"], f"{path}.not", errors, junctor=True)

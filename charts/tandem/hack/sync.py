@@ -3,7 +3,10 @@
     python charts/tandem/hack/sync.py          # rewrite
     python charts/tandem/hack/sync.py --check  # exit 1 if anything would change
 
-Derived files:
+Derived files and parts:
+- In crds/hybridmodels.tandem.dev.yaml, each block between `# generated from TYPE` and
+  `# end of generated TYPE`: the Kubernetes type as a structural schema (k8s_schema.py), from
+  the kubernetes-validate pinned in pyproject.toml. The rest of the CRD is hand-written.
 - files/hybridmodels.tandem.dev.yaml: a byte-for-byte copy of crds/ (the operator's CRD),
   rendered by templates/crd.yaml so the CRD upgrades with the chart.
 - values.schema.json "definitions": `hybridModelSpec`, the CRD's spec schema converted to
@@ -18,6 +21,7 @@ import importlib.resources
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from crd_schema import crd_version_schema, to_json_schema  # noqa: E402
+from k8s_schema import K8S_SCHEMA_VERSION, dump, structural_schema  # noqa: E402
 
 CHART = Path(__file__).resolve().parents[1]
 CRD_SOURCE = CHART / "crds" / "hybridmodels.tandem.dev.yaml"
@@ -32,13 +37,10 @@ CRD_COPY = CHART / "files" / "hybridmodels.tandem.dev.yaml"
 VALUES_SCHEMA = CHART / "values.schema.json"
 CRD_VERSION = "v1alpha1"
 
-# The newest Kubernetes whose schemas kubernetes-validate ships: accept the fields a current
-# cluster accepts. tests/chart renders with them and validates against 1.28 as well.
-K8S_SCHEMA_VERSION = "1.37.0"
+# The values' own Kubernetes types (operator.affinity, operator.env, ...); the HybridModel spec's
+# come inlined in the CRD.
 K8S_TYPES = (
     "io.k8s.api.core.v1.Affinity",
-    "io.k8s.api.core.v1.NodeAffinity",
-    "io.k8s.api.core.v1.Volume",
     "io.k8s.api.core.v1.Toleration",
     "io.k8s.api.core.v1.ResourceRequirements",
     "io.k8s.api.core.v1.EnvVar",
@@ -47,42 +49,29 @@ K8S_TYPES = (
     "io.k8s.api.core.v1.SecurityContext",
 )
 _REF = re.compile(r"^#/\$defs/(.+)$")
-# A volume without its name: what HybridModel.spec.model.volume holds.
-VOLUME_SOURCE = "io.k8s.api.core.v1.VolumeSource"
-FIELDS_V1 = "io.k8s.apimachinery.pkg.apis.meta.v1.FieldsV1"
-# Fields the CRD leaves open (x-kubernetes-preserve-unknown-fields) that are Kubernetes types:
-# the values schema checks them as those types, so a typo fails `helm install`, not the pod.
-SPEC_K8S_FIELDS = {
-    ("model", "volume"): VOLUME_SOURCE,
-    ("placement", "nodeAffinity"): "io.k8s.api.core.v1.NodeAffinity",
-    ("placement", "tolerations", "items"): "io.k8s.api.core.v1.Toleration",
-}
+# A generated block: its first marker line's indent is the indent of what lies between.
+GENERATED = re.compile(r"^(?P<indent> *)(?P<begin># generated from (?P<type>[\w.]+) by .*\n)"
+                       r"(?P<body>(?:.*\n)*?)(?P=indent)(?P<end># end of generated (?P=type)\n)", re.M)
 
 
-def hybrid_model_spec_schema() -> dict[str, Any]:
+def crd_with_kubernetes_types(text: str) -> str:
+    """The CRD's YAML with every generated block filled from kubernetes-validate's schemas."""
+    def fill(match: re.Match) -> str:
+        indent = match["indent"]
+        body = textwrap.indent(dump(structural_schema(match["type"])), indent)
+        return f"{indent}{match['begin']}{body}{indent}{match['end']}"
+    return GENERATED.sub(fill, text)
+
+
+def generated_types(text: str) -> list[str]:
+    """The Kubernetes types the CRD's generated blocks hold, in order."""
+    return [match["type"] for match in GENERATED.finditer(text)]
+
+
+def hybrid_model_spec_schema(crd_text: str) -> dict[str, Any]:
     """The CRD's `spec` schema as draft-7 JSON Schema."""
-    crd = yaml.safe_load(CRD_SOURCE.read_text())
-    schema = to_json_schema(crd_version_schema(crd, CRD_VERSION))
+    schema = to_json_schema(crd_version_schema(yaml.safe_load(crd_text), CRD_VERSION))
     return schema["properties"]["spec"]
-
-
-def with_kubernetes_types(spec: dict[str, Any]) -> dict[str, Any]:
-    """The spec schema with SPEC_K8S_FIELDS checked as their Kubernetes types."""
-    for path, definition in SPEC_K8S_FIELDS.items():
-        parent = spec
-        for name in path[:-1]:
-            parent = parent["properties"][name] if name != "items" else parent["items"]
-        key = path[-1]
-        if key == "items":
-            original = parent["items"]
-        else:
-            parent, key = parent["properties"], key
-            original = parent[key]
-        # Draft 7 ignores keywords next to $ref, so the CRD's own bounds go beside it in allOf.
-        kept = {k: v for k, v in original.items() if k not in ("type", "description")}
-        parent[key] = {"description": original.get("description", ""),
-                       "allOf": [{"$ref": f"#/definitions/{definition}"}, kept]}
-    return spec
 
 
 def kubernetes_definitions() -> dict[str, Any]:
@@ -95,15 +84,6 @@ def kubernetes_definitions() -> dict[str, Any]:
         name = wanted.pop()
         if name not in found:
             found[name] = _rewrite(source[name], wanted)
-    # managedFields (in an ephemeral volume's claim template) are written by the API server,
-    # never by users: the one free-form Kubernetes type here is closed rather than left open.
-    found[FIELDS_V1] = {"type": "object", "additionalProperties": False, "maxProperties": 0}
-    volume = found["io.k8s.api.core.v1.Volume"]
-    found[VOLUME_SOURCE] = {
-        **volume,
-        "properties": {k: v for k, v in volume["properties"].items() if k != "name"},
-        "required": [k for k in volume.get("required", []) if k != "name"],
-    }
     return dict(sorted(found.items()))
 
 
@@ -128,11 +108,10 @@ def _rewrite(node: Any, refs: list[str]) -> Any:
     return out
 
 
-def expected_values_schema() -> str:
+def expected_values_schema(crd_text: str) -> str:
     """values.schema.json as it should be: the hand-written part with fresh definitions."""
     schema = json.loads(VALUES_SCHEMA.read_text())
-    spec = with_kubernetes_types(hybrid_model_spec_schema())
-    schema["definitions"] = {"hybridModelSpec": spec, **kubernetes_definitions()}
+    schema["definitions"] = {"hybridModelSpec": hybrid_model_spec_schema(crd_text), **kubernetes_definitions()}
     return json.dumps(schema, indent=2) + "\n"
 
 
@@ -140,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="report drift, change nothing")
     args = parser.parse_args(argv)
-    targets = {CRD_COPY: CRD_SOURCE.read_text(), VALUES_SCHEMA: expected_values_schema()}
+    crd = crd_with_kubernetes_types(CRD_SOURCE.read_text())
+    targets = {CRD_SOURCE: crd, CRD_COPY: crd, VALUES_SCHEMA: expected_values_schema(crd)}
     stale = [path for path, text in targets.items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:
