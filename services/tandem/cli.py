@@ -242,12 +242,8 @@ def cmd_generate(args) -> int:
         [result] = engine.generate([prompt], params)
     except InvalidRequest as e:
         raise UsageError(str(e)) from None
-    def plain(entries):  # TokenLogprobs -> (logprob, rank, top), as print_result takes them
-        return None if entries is None else [e and (e.logprob, e.rank, e.top) for e in entries]
-
     print_result(args, result.token_ids, result.text if engine.tokenizer else None, result.finish_reason,
-                 result.num_prompt_tokens, result.num_cached_tokens, plain(result.logprobs),
-                 plain(result.prompt_logprobs))
+                 result.num_prompt_tokens, result.num_cached_tokens, result.logprobs, result.prompt_logprobs)
     if result.finish_reason == "error":  # the engine logged why
         print("tandem: error: the forward pass failed", file=sys.stderr)
         return 1
@@ -256,19 +252,18 @@ def cmd_generate(args) -> int:
 
 def print_result(args, token_ids, text, finish_reason, prompt_tokens, cached_tokens, logprobs=None,
                  prompt_logprobs=None) -> None:
-    """logprobs: (logprob, rank, ((token id, logprob), ...)) per token, when asked for; prompt_logprobs
-    the same per prompt token, None for the first."""
+    """logprobs: a TokenLogprobs per token, when asked for; prompt_logprobs one per prompt token, None
+    for the first."""
     if args.json:
         obj = {"token_ids": token_ids, "finish_reason": finish_reason,
                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
                          "cached_tokens": cached_tokens}}
         if text is not None:
             obj["text"] = text
+
         def entry(e):
-            if e is None:
-                return None
-            lp, rank, top = e
-            return {"logprob": lp, "rank": rank, "top": [{"token_id": t, "logprob": v} for t, v in top]}
+            return e and {"logprob": e.logprob, "rank": e.rank,
+                          "top": [{"token_id": t, "logprob": v} for t, v in e.top]}
 
         if logprobs is not None:
             obj["logprobs"] = [entry(e) for e in logprobs]

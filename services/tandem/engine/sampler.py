@@ -148,8 +148,9 @@ class Penalties:
     """The tokens seen by the rows of a batch whose params set a penalty, as (row, token id) pairs on
     the logits' device: each distinct prompt or output token for the repetition penalty, each output
     token occurrence for presence and frequency. Sparse: a step touches the seen tokens' logits, not
-    the vocabulary's (a dense [R, V] state cost ~15 ms a step at 152k tokens, in page faults). A
-    multi-step decode `add`s each step's tokens without leaving the device."""
+    the vocabulary's (a dense [R, V] state cost about 3 ms a row a step at 152k tokens, mostly in
+    page faults; RESULTS round twenty-three). A multi-step decode `add`s each step's tokens without
+    leaving the device."""
 
     def __init__(self, rows: list[int], params: list[SamplingParams], prompts: list[list[int]],
                  outputs: list[list[int]], device: torch.device):
@@ -189,15 +190,17 @@ class Penalties:
         they were before that write, so repetition and presence count a token once whatever its
         count, and frequency (accumulated) counts each occurrence."""
         out = logits.clone()  # [B, V]
-        r, t = self.seen  # r: among the R penalized rows; self.index[r]: the batch's
+        r, t = self.seen  # r: among the R penalized rows; b = self.index[r]: the batch's
         if len(t):
-            v = out[self.index[r], t]  # [S]
+            b = self.index[r]  # [S]
+            v = out[b, t]  # [S]
             f = self.repetition[r]  # [S]
-            out[self.index[r], t] = torch.where(v < 0, v * f, v / f)
+            out[b, t] = torch.where(v < 0, v * f, v / f)
         r, t = self.out
         if len(t):
-            out.index_put_((self.index[r], t), -self.frequency[r], accumulate=True)
-            out[self.index[r], t] = out[self.index[r], t] - self.presence[r]
+            b = self.index[r]  # [O]
+            out.index_put_((b, t), -self.frequency[r], accumulate=True)
+            out[b, t] = out[b, t] - self.presence[r]
         return out
 
     def add(self, tokens: torch.Tensor) -> None:

@@ -36,11 +36,12 @@ def build_request(args) -> inference_pb2.GenerateRequest:
 
 def collect(stub, request, timeout_s: float | None = None) -> dict:
     """Runs one Generate stream to its end: token_ids, text, finish_reason, usage and, when asked
-    for, logprobs ((logprob, rank, ((token id, logprob), ...)) per token) and prompt_logprobs (the
-    same per prompt token, None for the first)."""
+    for, logprobs (a TokenLogprobs per token) and prompt_logprobs (one per prompt token, None for
+    the first)."""
+    from tandem.engine.sampling_params import TokenLogprobs
 
     def plain(e):
-        return e.logprob, e.rank, tuple((t.token_id, t.logprob) for t in e.top)
+        return TokenLogprobs(e.logprob, e.rank, tuple((t.token_id, t.logprob) for t in e.top))
 
     token_ids, texts, logprobs, prompt_logprobs, last = [], [], [], [None], None
     for response in stub.Generate(request, timeout=timeout_s):
