@@ -277,6 +277,10 @@ class LLMEngine:
                 f"context length {self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop", "stop strings need a tokenizer; this model has none")
+        if params.n != 1:
+            raise InvalidRequest("n", "several completions per request are not served yet")
+        if params.structured_outputs is not None:
+            raise InvalidRequest("structured_outputs", "structured outputs are not served yet")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its KV blocks are freed at once."""

@@ -27,12 +27,56 @@ GREEDY_BELOW = 1e-5
 # The most top logprobs a request may ask for per token (vLLM's and OpenAI's default limit).
 MAX_LOGPROBS = 20
 
+# The most completions one request may ask for (SamplingParams.n).
+MAX_N = 16
+
 
 class DuplicateRequest(InvalidRequest):
     """A request_id already in flight (gRPC: ALREADY_EXISTS)."""
 
     def __init__(self, request_id: str):
         super().__init__("request_id", f"{request_id!r} is already running")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output, exactly one of (vLLM's StructuredOutputsParams): `json`, a JSON
+    schema (a dict, or its JSON text); `regex`, a regular expression the whole output matches;
+    `choice`, strings of which the output is one; `grammar`, a Lark or GBNF grammar; `json_object`,
+    any JSON object. Compiled for the model's tokenizer by tandem.engine.structured."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
+                raise InvalidRequest("structured_outputs.choice", f"must be a list of strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise InvalidRequest("structured_outputs.choice", "must be non-empty strings, at least one")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequest(f"structured_outputs.{name}", f"must be a non-empty string, got {value!r}")
+        if self.json is not None and (not isinstance(self.json, (str, dict)) or not self.json):
+            raise InvalidRequest("structured_outputs.json", "must be a JSON schema: an object or its JSON text")
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequest("structured_outputs.json_object", f"must be true or false, got {self.json_object!r}")
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequest("structured_outputs", f"give exactly one of json, regex, choice, grammar and "
+                                 f"json_object, got {', '.join(given) or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: json, regex, choice, grammar or json_object."""
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
 
 
 @dataclass(frozen=True)
@@ -59,6 +103,10 @@ class SamplingParams:
     # tokens before it): scoring a text. Such a request takes no prefix-cache hits.
     prompt_logprobs: int | None = None
     seed: int | None = None
+    # The output constrained to a JSON schema, regex, choice or grammar; None: unconstrained.
+    structured_outputs: StructuredOutputs | None = None
+    # Completions generated for the prompt, each sampled on its own (completion i with seed + i).
+    n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -95,6 +143,11 @@ class SamplingParams:
                 raise InvalidRequest(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequest("n", f"must be in [1, {MAX_N}], got {self.n}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise InvalidRequest("structured_outputs", f"must be StructuredOutputs, got "
+                                 f"{type(self.structured_outputs).__name__}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(1 << 63) <= self.seed < 1 << 64):
             raise InvalidRequest("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
@@ -102,9 +155,9 @@ class SamplingParams:
     def _check_kinds(self) -> None:
         if self.max_tokens is not None and not _is_int(self.max_tokens):
             raise InvalidRequest("max_tokens", f"must be an integer, got {self.max_tokens!r}")
-        for name in ("top_k", "logprobs", "prompt_logprobs"):
+        for name in ("top_k", "n", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if not _is_int(value) and not (name != "top_k" and value is None):
+            if not _is_int(value) and not (name in ("logprobs", "prompt_logprobs") and value is None):
                 raise InvalidRequest(name, f"must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.engine.chat import ChatMessage
-from tandem.engine.sampling_params import InvalidRequest, RequestOutput, SamplingParams, TokenLogprobs
+from tandem.engine.sampling_params import (InvalidRequest, RequestOutput, SamplingParams, StructuredOutputs,
+                                           TokenLogprobs)
 from tandem.metrics import ServingMetrics
 from tandem.rpc.engine_loop import EngineLoop
 from tandem.rpc.errors import NoTokenizer, ServerUnavailable, outcome_of, status_of
@@ -24,12 +25,23 @@ def sampling_params_from_proto(msg: inference_pb2.SamplingParams) -> SamplingPar
     """Unset fields keep SamplingParams' defaults; bad values raise InvalidRequest naming the field."""
     kwargs = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "logprobs", "prompt_logprobs", "seed"):
+                 "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "n"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(
         **kwargs, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos)
+
+
+def structured_outputs_from_proto(msg: inference_pb2.StructuredOutputs) -> StructuredOutputs:
+    """InvalidRequest naming structured_outputs when no constraint is set (json_object false is none)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        raise InvalidRequest("structured_outputs", "set one of json, regex, choice, grammar and json_object")
+    value = list(msg.choice.values) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutputs(**{kind: value})
 
 
 @dataclass(frozen=True)
