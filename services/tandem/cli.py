@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 class UsageError(Exception):
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --json: each prompt token's log-probability (after the first) and the N likeliest")
     gen.add_argument("--seed", type=int, help="seed of this request's sampling (default: unseeded)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    structured = gen.add_mutually_exclusive_group()  # SamplingParams.structured_outputs: one constraint
+    structured.add_argument("--json-schema", metavar="SCHEMA", help="the output is an instance of this JSON schema "
+                            "(JSON text, or @FILE)")
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--regex", help="the output matches this regular expression (Rust regex syntax)")
+    structured.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    structured.add_argument("--grammar", help="the output follows this Lark or GBNF grammar (text, or @FILE)")
     gen.set_defaults(func=cmd_generate, engine_flags=add_engine_args(gen))
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -166,15 +174,41 @@ def parse_chat(text: str) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in messages]
 
 
+def structured_from_args(args) -> dict | None:
+    """The one structured-output constraint given (--json-schema, --json-object, --regex, --choice,
+    --grammar) as StructuredOutputs' keyword and value, or None; @FILE arguments read."""
+    def text(flag: str, value: str) -> str:
+        if not value.startswith("@"):
+            return value
+        try:
+            return Path(value[1:]).read_text()
+        except OSError as e:
+            raise UsageError(f"{flag}: cannot read {value[1:]}: {e.strerror}") from None
+
+    if args.json_schema is not None:
+        return {"json": text("--json-schema", args.json_schema)}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": tuple(args.choice)}
+    if args.grammar is not None:
+        return {"grammar": text("--grammar", args.grammar)}
+    return None
+
+
 def sampling_from_args(args):
-    from tandem.engine.sampling_params import InvalidRequest, SamplingParams
+    from tandem.engine.sampling_params import InvalidRequest, SamplingParams, StructuredOutputs
 
     try:
+        structured = structured_from_args(args)
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, seed=args.seed,
-                              stop=tuple(args.stop))
+                              stop=tuple(args.stop),
+                              structured_outputs=StructuredOutputs(**structured) if structured else None)
     except InvalidRequest as e:
         raise UsageError(str(e)) from None
 

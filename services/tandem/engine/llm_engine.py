@@ -21,6 +21,7 @@ from tandem.engine.sampling_params import (DuplicateRequest, InvalidRequest, Req
                                            TokenLogprobs)
 from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.engine.sequence import Sequence
+from tandem.engine.structured import Constraint, Grammars
 from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
 from tandem.experts.cpu_executor import CpuExpertExecutor
 from tandem.experts.device_prefill import DEFAULT_MIN_TOKENS as DEVICE_PREFILL_TOKENS
@@ -133,6 +134,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.chat_template = chat_template  # None: chat requests are refused
+        # Structured outputs' compiler (its llguidance tokenizer is made on first use); None without a tokenizer.
+        self._grammars = Grammars(tokenizer, model.cfg.vocab_size, model.cfg.eos_token_ids) if tokenizer else None
         self.model_config = cfg = model.cfg
         self.max_model_len = context_length(cfg, config)
         dtype = next(model.parameters()).dtype
@@ -244,10 +247,20 @@ class LLMEngine:
         text = self.chat_template.render(messages, add_generation_prompt, continue_final_message)
         return self.encode(text, add_special_tokens=False)  # the template wrote the BOS it wants
 
+    def compile_constraint(self, params: SamplingParams) -> Constraint | None:
+        """A fresh matcher for the request's structured output (None without one); InvalidRequest when it
+        does not compile or the model has no tokenizer. Safe from any thread: EngineLoop compiles in a
+        worker thread first, so that admitting the request finds it compiled (Grammars caches)."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            raise InvalidRequest("structured_outputs", "needs the model's tokenizer; this model has no tokenizer.json")
+        return self._grammars.compile(params.structured_outputs)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises InvalidRequest for bad input, QueueFull when the waiting queue is full."""
         self._validate(request_id, prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, constraint=self.compile_constraint(params))
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -279,8 +292,6 @@ class LLMEngine:
             raise InvalidRequest("stop", "stop strings need a tokenizer; this model has none")
         if params.n != 1:
             raise InvalidRequest("n", "several completions per request are not served yet")
-        if params.structured_outputs is not None:
-            raise InvalidRequest("structured_outputs", "structured outputs are not served yet")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its KV blocks are freed at once."""

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from tandem.engine import structured
 from tandem.engine.cuda_graph import DecodeGraphs
 from tandem.engine.sampler import Penalties, Sampler
 from tandem.experts.base import ExpertsUnavailable
@@ -140,14 +141,20 @@ class ModelRunner:
                 penalties: Penalties | None = None) -> tuple[torch.Tensor, Penalties | None]:
         """hidden [B, H] of the positions sampled from, one per sequence -> (token ids [B] long, the
         penalized sequences' seen tokens: given, or built here from the sequences). A sequence that
-        asked for logprobs gets this token's appended to its `logprobs`."""
+        asked for logprobs gets this token's appended to its `logprobs` (of the raw logits); one with a
+        structured output samples among the tokens its matcher allows, and the token advances it."""
         logits = self.model.compute_logits(hidden)  # [B, V]
         if self.logits_hook is not None:
             for seq, row in zip(seqs, logits):
                 self.logits_hook(seq.request_id, row)
         if penalties is None:
             penalties = Penalties.of(seqs, logits.device)
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], generators, penalties)
+        constraints = [s.constraint for s in seqs]
+        constrained = any(c is not None for c in constraints)
+        masked = structured.mask_logits(logits, constraints) if constrained else logits  # [B, V]
+        tokens = self.sampler.sample(masked, [s.params for s in seqs], generators, penalties)
+        if constrained:
+            structured.advance(constraints, tokens.tolist())
         wanted = [s.params.logprobs for s in seqs]
         if any(n is not None for n in wanted):
             for seq, entry in zip(seqs, self.sampler.logprobs(logits, tokens, wanted)):

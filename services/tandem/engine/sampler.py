@@ -58,8 +58,10 @@ class Sampler:
     @staticmethod
     def argmax_only(params: SamplingParams) -> bool:
         """Whether the token is the argmax of the raw logits and nothing else is asked of them (no
-        penalty, no logprobs): what a fused greedy decode (CausalLM.greedy_steps) computes."""
-        return params.greedy and not params.penalized and params.logprobs is None
+        penalty, no logprobs, no structured output): what a fused greedy decode (CausalLM.greedy_steps)
+        computes."""
+        return (params.greedy and not params.penalized and params.logprobs is None
+                and params.structured_outputs is None)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int | None]) -> list[TokenLogprobs | None]:

@@ -393,6 +393,11 @@ class Scheduler:
             return "stop", token
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop", token
+        constraint = seq.constraint  # tandem.engine.structured.Constraint
+        if constraint is not None and constraint.failed_at == seq.num_output_tokens:
+            return "error", None  # the matcher refused the token (logged by tandem.engine.structured)
+        if constraint is not None and constraint.completed_at == seq.num_output_tokens:
+            return "stop", None  # the structured output is complete
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length", None
         return None, None

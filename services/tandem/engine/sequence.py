@@ -44,6 +44,9 @@ class Sequence:
     # With params.prompt_logprobs set, the runner appends prompt token i's as its prefill computes
     # position i - 1 (entry 0, the first token's, is None): complete at num_prompt_tokens entries.
     prompt_logprobs: list | None = None
+    # With params.structured_outputs set: its matcher (tandem.engine.structured.Constraint), which the
+    # model runner masks the logits with and advances as it samples.
+    constraint: object | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -12,7 +12,7 @@ from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
 
 def build_request(args) -> inference_pb2.GenerateRequest:
     """A GenerateRequest from `tandem generate`'s flags."""
-    from tandem.cli import parse_chat, parse_prompt_ids
+    from tandem.cli import parse_chat, parse_prompt_ids, structured_from_args
 
     sampling = inference_pb2.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -24,6 +24,13 @@ def build_request(args) -> inference_pb2.GenerateRequest:
         sampling.logprobs = args.logprobs
     if args.prompt_logprobs is not None:
         sampling.prompt_logprobs = args.prompt_logprobs
+    structured = structured_from_args(args)
+    if structured is not None:
+        [(kind, value)] = structured.items()
+        if kind == "choice":
+            sampling.structured_outputs.choice.values.extend(value)
+        else:
+            setattr(sampling.structured_outputs, kind, value)
     request = inference_pb2.GenerateRequest(sampling=sampling)
     if args.chat is not None:
         request.messages.extend(inference_pb2.ChatMessage(role=r, content=c) for r, c in parse_chat(args.chat))

@@ -112,6 +112,8 @@ class EngineLoop:
             prompt = await asyncio.to_thread(self.engine.encode, prompt)
         elif callable(prompt):
             prompt = await asyncio.to_thread(prompt, self.engine)
+        if params.structured_outputs is not None:  # compiled (and cached) here, not on the engine's thread
+            await asyncio.to_thread(self.engine.compile_constraint, params)
         stream = _Stream(asyncio.Queue(), loop, received)
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._call(lambda: self._add(request_id, prompt, params, stream, done), done)
