@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-logprobs", type=int,
                      help="with --json: each prompt token's log-probability (after the first) and the N likeliest")
     gen.add_argument("--seed", type=int, help="seed of this request's sampling (default: unseeded)")
+    gen.add_argument("--n", type=int, default=1,
+                     help="completions to generate, each sampled on its own (completion i with seed + i), printed "
+                          "one by one labelled by index; with --json, one object a line (default 1)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     structured = gen.add_mutually_exclusive_group()  # SamplingParams.structured_outputs: one constraint
     structured.add_argument("--json-schema", metavar="SCHEMA", help="the output is an instance of this JSON schema "
@@ -207,7 +210,7 @@ def sampling_from_args(args):
                               top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, seed=args.seed,
-                              stop=tuple(args.stop),
+                              stop=tuple(args.stop), n=args.n,
                               structured_outputs=StructuredOutputs(**structured) if structured else None)
     except InvalidRequest as e:
         raise UsageError(str(e)) from None
@@ -273,25 +276,27 @@ def cmd_generate(args) -> int:
             prompt = engine.encode_chat([ChatMessage(role, content) for role, content in chat])
         else:
             prompt = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else engine.encode(args.prompt)
-        [result] = engine.generate([prompt], params)
+        results = engine.generate([prompt], params)
     except InvalidRequest as e:
         raise UsageError(str(e)) from None
-    print_result(args, result.token_ids, result.text if engine.tokenizer else None, result.finish_reason,
-                 result.num_prompt_tokens, result.num_cached_tokens, result.logprobs, result.prompt_logprobs)
-    if result.finish_reason == "error":  # the engine logged why
+    for r in results:
+        print_result(args, r.token_ids, r.text if engine.tokenizer else None, r.finish_reason, r.num_prompt_tokens,
+                     r.num_cached_tokens, r.logprobs, r.prompt_logprobs, r.index)
+    if any(r.finish_reason == "error" for r in results):  # the engine logged why
         print("tandem: error: the forward pass failed", file=sys.stderr)
         return 1
     return 0
 
 
 def print_result(args, token_ids, text, finish_reason, prompt_tokens, cached_tokens, logprobs=None,
-                 prompt_logprobs=None) -> None:
-    """logprobs: a TokenLogprobs per token, when asked for; prompt_logprobs one per prompt token, None
-    for the first."""
+                 prompt_logprobs=None, index: int = 0) -> None:
+    """One completion: logprobs a TokenLogprobs per token, when asked for; prompt_logprobs one per
+    prompt token, None for the first. With --n above 1 it is labelled with its index."""
     if args.json:
-        obj = {"token_ids": token_ids, "finish_reason": finish_reason,
-               "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
-                         "cached_tokens": cached_tokens}}
+        obj = {"index": index} if args.n > 1 else {}
+        obj |= {"token_ids": token_ids, "finish_reason": finish_reason,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
+                          "cached_tokens": cached_tokens}}
         if text is not None:
             obj["text"] = text
 
@@ -305,7 +310,8 @@ def print_result(args, token_ids, text, finish_reason, prompt_tokens, cached_tok
             obj["prompt_logprobs"] = [entry(e) for e in prompt_logprobs]
         print(json.dumps(obj))
     else:
-        print(text if text is not None else " ".join(map(str, token_ids)))
+        label = f"[{index}] " if args.n > 1 else ""
+        print(label + (text if text is not None else " ".join(map(str, token_ids))))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ def test_generate_json_local(demo, capsys):
     (["--prompt", "hi", "--repetition-penalty", "0"], "repetition_penalty"),
     (["--prompt", "hi", "--min-p", "2"], "min_p"),
     (["--prompt", "hi", "--logprobs", "21"], "logprobs: must be in [0, 20], got 21"),
+    (["--prompt", "hi", "--n", "17"], "n: must be in [1, 16], got 17"),
     (["--prompt", "hi", "--temperature", "inf"], "temperature: must be a number >= 0, got inf"),
     (["--prompt", "hi", "--max-model-len", "0"], "max_model_len must be at least 1, got 0"),
     (["--prompt", "hi", "--max-model-len", "5000"], "max_model_len 5000 is more than the model's context"),

@@ -131,12 +131,12 @@ def test_cancel_frees_blocks_at_once(model_dir):
     for _ in range(3):
         e.step()
     assert e.stats().kv_blocks_used[DEVICE] > 0
-    out = e.abort_request("a")
+    [out] = e.abort_request("a")
     assert out.finished and out.finish_reason == "cancelled"
     e.abort_request("b")
     assert e.stats().kv_blocks_used[DEVICE] == 0
     assert not e.has_unfinished_requests()
-    assert e.abort_request("a") is None
+    assert e.abort_request("a") == []
 
 
 def test_finish_reasons_stop_token_and_length(model_dir):
@@ -355,8 +355,8 @@ def fail_one_copy(e: LLMEngine, direction: str) -> dict:
     def swap(pairs, src, dst):
         if pairs and (src == DEVICE) == (direction == "out") and "lost" not in seen:
             written = {d for _, d in pairs}
-            seen["lost"] = {rid for rid, req in e.requests.items()
-                            if bm.tier_of(req.seq) == dst and written & set(bm.block_table(req.seq))}
+            seen["lost"] = {rid for rid, req in e.requests.items() for c in req.completions
+                            if bm.tier_of(c.seq) == dst and written & set(bm.block_table(c.seq))}
             seen["step"] = seen["steps"] - 1
             real(pairs[:1], src, dst)
             raise RuntimeError("CUDA error: an illegal memory access was encountered")

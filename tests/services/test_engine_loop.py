@@ -215,3 +215,20 @@ async def test_a_failed_kv_copy_ends_only_its_requests_and_the_loop_serves_on(mo
         assert sum(stats.kv_blocks_used.values()) == 0 and not fatal
     finally:
         loop.stop(timeout=10)
+
+
+async def test_cancel_all_ends_each_of_a_requests_completions_once(loop):
+    stream = await loop.submit("n", list(range(3, 40)), SamplingParams(max_tokens=200, temperature=0.0, n=3,
+                                                                       ignore_eos=True))
+    first = [await asyncio.wait_for(stream.get(), 30) for _ in range(4)]  # 0's first token, then 1's and 2's
+    loop.cancel_all()
+    finals = []
+    while len(finals) < 3:
+        out = await asyncio.wait_for(stream.get(), 30)
+        finals += [out] if out.finished else []
+    assert sorted((o.index, o.finish_reason) for o in finals) == [(i, "cancelled") for i in range(3)]
+    assert {o.index for o in first} == {0, 1, 2} and loop.in_flight() == 0
+    value = loop.metrics.registry.get_sample_value
+    assert value(contract.REQUESTS + "_total", {"outcome": "cancelled"}) == 1
+    stats = await loop.run_on_engine(lambda engine: engine.stats())
+    assert sum(stats.kv_blocks_used.values()) == 0 and stream.empty()

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from tandem.engine import cuda_graph
 from tandem.engine.chat import ChatMessage, ChatTemplate
+from tandem.engine.config import EngineConfig, EngineStats, context_length
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampling_params import (DuplicateRequest, InvalidRequest, RequestOutput, SamplingParams,
@@ -24,7 +25,6 @@ from tandem.engine.sequence import Sequence
 from tandem.engine.structured import Constraint, Grammars
 from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
 from tandem.experts.cpu_executor import CpuExpertExecutor
-from tandem.experts.device_prefill import DEFAULT_MIN_TOKENS as DEVICE_PREFILL_TOKENS
 from tandem.experts.device_prefill import DevicePrefill
 from tandem.experts.shared_weights import SharedPrefill, give_pages_of_their_own
 from tandem.kv.block_manager import KVBlockManager
@@ -38,85 +38,8 @@ MAX_REQUEST_ID = 256  # characters
 
 
 @dataclass
-class EngineConfig:
-    block_size: int = 16
-    num_device_blocks: int | None = None  # None: size from device_kv_gib / gpu_memory_fraction
-    num_cpu_blocks: int | None = None  # None: size from cpu_kv_gib
-    device_kv_gib: float = 1.0  # KV budget when the compute device is the CPU
-    gpu_memory_fraction: float = 0.9  # share of free GPU memory (after weights) for the device tier
-    cpu_kv_gib: float = 1.0
-    kv_shm_path: str | None = None  # back the CPU tier with this shared-memory file
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's, capped at DEFAULT_MAX_MODEL_LEN
-    max_waiting: int = 1024
-    enable_prefix_caching: bool = True
-    # A sequence the device tier cannot hold moves to the CPU tier and decodes there (attention on
-    # the CPU socket) rather than pausing until the device has room; see tandem.engine.scheduler.
-    cpu_decode: bool = True
-    # On CUDA, decode steps replay CUDA graphs (tandem.engine.cuda_graph) for batches of up to
-    # min(max_num_seqs, MAX_GRAPH_BATCH) sequences; True: every step runs eagerly, as vLLM's flag.
-    enforce_eager: bool = False
-    # On CUDA, prefill chunks of at least this many tokens run their routed experts on the GPU,
-    # the weights streamed from host memory (tandem.experts.device_prefill); 0: always the CPU.
-    device_prefill_tokens: int = DEVICE_PREFILL_TOKENS
-    # ... with the experts' host memory page-locked (cudaHostRegister), so those copies run at full
-    # speed: 7.75-8.7x the prefill from pageable memory on an H100 (benchmarks/RESULTS.md, round
-    # sixteen). The pages then stay in RAM; False leaves them pageable.
-    page_lock_experts: bool = True
-    # Decode tokens per engine step while only decodes run (vLLM's multi-step scheduling; see
-    # tandem.engine.scheduler): the scheduling between forward passes runs once per this many
-    # tokens. step(emit=...) streams each token as its step of the run ends (the serving loop
-    # does); step() returns them together at the run's end. 1: a step per token.
-    num_scheduler_steps: int = 1
-
-    DEFAULT_MAX_MODEL_LEN = 8192
-
-    def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "num_scheduler_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not 0 < self.gpu_memory_fraction <= 1:
-            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
-        if self.device_prefill_tokens < 0:
-            raise ValueError(f"device_prefill_tokens must be >= 0, got {self.device_prefill_tokens}")
-        if not 0 <= self.cpu_kv_gib < math.inf:  # NaN fails too
-            raise ValueError(f"cpu_kv_gib must be a number of GiB >= 0, got {self.cpu_kv_gib}")
-        if not 0 < self.device_kv_gib < math.inf:
-            raise ValueError(f"device_kv_gib must be a number of GiB > 0, got {self.device_kv_gib}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
-        if self.num_device_blocks is not None and self.num_device_blocks < 1:
-            raise ValueError(f"num_device_blocks must be at least 1, got {self.num_device_blocks}")
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be at least 0, got {self.num_cpu_blocks}")
-
-
-def context_length(model_config, config: EngineConfig) -> int:
-    """The engine's max_model_len: config.max_model_len, which may not exceed the model's context
-    (ValueError, as vLLM refuses it), or by default the model's context up to DEFAULT_MAX_MODEL_LEN."""
-    limit = model_config.max_position_embeddings
-    if config.max_model_len is not None and config.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.max_model_len} is more than the model's context, "
-                         f"max_position_embeddings {limit}")
-    return min(limit, config.max_model_len or config.DEFAULT_MAX_MODEL_LEN)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_offloaded: int = 0  # running with their KV on the CPU tier
-    kv_blocks_used: dict[str, int] = field(default_factory=dict)
-    kv_blocks_total: dict[str, int] = field(default_factory=dict)
-    prefix_cache_hit_tokens: int = 0
-    gpu_prefill_expert_calls: int = 0  # MoE layer calls of prefill chunks computed on the GPU, so far
-
-
-@dataclass
 class Completion:
-    """A finished request, as `LLMEngine.generate` returns it."""
+    """A finished completion of a request, as `LLMEngine.generate` returns it."""
 
     request_id: str
     token_ids: list[int]
@@ -126,6 +49,7 @@ class Completion:
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (None for the first)
+    index: int = 0  # which of the request's SamplingParams.n completions (prompt_logprobs come with 0's)
 
 
 class LLMEngine:
@@ -157,7 +81,8 @@ class LLMEngine:
         except BaseException:
             self.close()  # nothing of a failed engine stays behind in shared memory
             raise
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _Request] = {}  # by request id, until its last completion finishes
+        self._completions: dict[str, _Completion] = {}  # the unfinished ones, by their sequence's id
         self._pending = None  # a scheduled step whose forward pass has not completed
         # Requests failed by a failed KV copy, returned with their step's outputs (kept across a
         # retry while the experts are unavailable).
@@ -258,15 +183,28 @@ class LLMEngine:
         return self._grammars.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises InvalidRequest for bad input, QueueFull when the waiting queue is full."""
+        """Queue a request: its SamplingParams.n completions, a sequence each, on one prompt prefilled
+        once (see tandem.engine.scheduler). Raises InvalidRequest for bad input, QueueFull when the
+        waiting queue is full."""
         self._validate(request_id, prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, constraint=self.compile_constraint(params))
+        completions = [self._completion(request_id, i, prompt_token_ids, params) for i in range(params.n)]
+        seqs = [c.seq for c in completions]
+        self.scheduler.add(seqs[0], seqs[1:])  # last: whatever raises before it leaves nothing queued
+        self.requests[request_id] = _Request(completions)
+        self._completions.update((c.seq.request_id, c) for c in completions)
+
+    def _completion(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> _Completion:
+        """Completion `index` of a request: its sequence, with a structured output's matcher of its own,
+        its generator (seeded with seed + index) and its detokenizer."""
+        if index > 0:  # the prompt is scored once, by completion 0
+            params = replace(params, prompt_logprobs=None)
+        seq = Sequence(sequence_id(request_id, index, params.n), list(prompt), params,
+                       constraint=self.compile_constraint(params))
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            generator = torch.Generator(device=self.device).manual_seed(completion_seed(params.seed, index))
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop) if self.tokenizer else None
-        self.scheduler.add(seq)  # last: whatever raises before it leaves nothing queued
-        self.requests[request_id] = _Request(seq, generator, detok)
+        return _Completion(request_id, index, seq, generator, detok)
 
     def _validate(self, request_id, prompt, params: SamplingParams) -> None:
         if not request_id:
@@ -290,19 +228,21 @@ class LLMEngine:
                 f"context length {self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop", "stop strings need a tokenizer; this model has none")
-        if params.n != 1:
-            raise InvalidRequest("n", "several completions per request are not served yet")
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request; its KV blocks are freed at once."""
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Cancel a request: every completion of it still unfinished, whose KV blocks are freed at once.
+        Returns their last outputs (finish_reason "cancelled"); none for a request unknown or finished."""
         req = self.requests.get(request_id)
         if req is None:
-            return None
+            return []
+        unfinished = [c for c in req.completions if c.seq.request_id in self._completions]
+        seq_ids = {c.seq.request_id for c in unfinished}
         if self._pending is not None:
-            self._pending.scheduled = [s for s in self._pending.scheduled if s.seq.request_id != request_id]
-        self.scheduler.abort(request_id)
-        req.seq.finish_reason = "cancelled"
-        return self._output(req, finished=True)
+            self._pending.scheduled = [s for s in self._pending.scheduled if s.seq.request_id not in seq_ids]
+        for c in unfinished:
+            self.scheduler.abort(c.seq.request_id)
+            c.seq.finish_reason = "cancelled"
+        return [self._output(c, finished=True) for c in unfinished]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -343,7 +283,7 @@ class LLMEngine:
     def _execute(self, out: SchedulerOutput, emit: Callable[[list[RequestOutput]], None] | None,
                  interrupted: Callable[[], bool] | None) -> list[RequestOutput]:
         """The forward pass of the pending step `out`, and its postprocessing."""
-        generators = {s.seq.request_id: self.requests[s.seq.request_id].generator for s in out.scheduled}
+        generators = {s.seq.request_id: self._completions[s.seq.request_id].generator for s in out.scheduled}
         streamed = None
         if emit is not None and out.scheduled and out.scheduled[0].num_steps > 1:
             streamed = _StreamedRun(self, out, emit, interrupted)
@@ -356,59 +296,62 @@ class LLMEngine:
             log.exception("forward pass failed; finishing %d requests with reason 'error'", len(out.scheduled))
             self._pending = None
             # (a streamed run may have finished some of them already, and emitted their tokens)
-            return [self._fail(s.seq) for s in out.scheduled if s.seq.request_id in self.requests]
+            return [self._fail(s.seq) for s in out.scheduled if s.seq.request_id in self._completions]
         self._pending = None
         if streamed is not None:
             streamed.check_done(sampled)
             return []
         changed = self.scheduler.update(out, sampled)
-        return [self._postprocess(seq) for seq in changed if seq.request_id in self.requests]
+        return [self._postprocess(seq) for seq in changed if seq.request_id in self._completions]
 
     def _fail(self, seq: Sequence) -> RequestOutput:
         self.scheduler.finish(seq.request_id, "error")
-        return self._output(self.requests[seq.request_id], finished=True)
+        return self._output(self._completions[seq.request_id], finished=True)
 
     def _postprocess(self, seq: Sequence) -> RequestOutput:
-        req = self.requests[seq.request_id]
-        if req.detok is not None:
-            new = seq.output_token_ids[req.reported:]
+        comp = self._completions[seq.request_id]
+        if comp.detok is not None:
+            new = seq.output_token_ids[comp.reported:]
             # With stop strings, the tokens of a multi-step decode go in one at a time: those after
             # the token that completes a stop string are dropped, as the scheduler drops a stop token's.
-            for i, chunk in enumerate([[t] for t in new] if req.detok.stop and len(new) > 1 else [new]):
-                delta, hit = req.detok.add(chunk)
-                req.pending_text += delta
+            for i, chunk in enumerate([[t] for t in new] if comp.detok.stop and len(new) > 1 else [new]):
+                delta, hit = comp.detok.add(chunk)
+                comp.pending_text += delta
                 if hit:
-                    del seq.output_token_ids[req.reported + i + len(chunk):]
-                    req.stopped_by_string = True
+                    del seq.output_token_ids[comp.reported + i + len(chunk):]
+                    comp.stopped_by_string = True
                     if seq.is_finished:  # by the same token, for its length: the stop string comes first
                         seq.finish_reason = "stop"
                     else:
                         self.scheduler.finish(seq.request_id, "stop")
                     break
-        return self._output(req, finished=seq.is_finished)
+        return self._output(comp, finished=seq.is_finished)
 
-    def _output(self, req: "_Request", finished: bool) -> RequestOutput:
-        seq = req.seq
-        new = seq.output_token_ids[req.reported:]
-        logprobs = None if seq.logprobs is None else seq.logprobs[req.reported:seq.num_output_tokens]
+    def _output(self, comp: _Completion, finished: bool) -> RequestOutput:
+        seq = comp.seq
+        new = seq.output_token_ids[comp.reported:]
+        logprobs = None if seq.logprobs is None else seq.logprobs[comp.reported:seq.num_output_tokens]
         prompt_logprobs = None
-        if seq.prompt_logprobs is not None and not req.prompt_reported and not seq.needs_prompt_logprobs:
-            prompt_logprobs, req.prompt_reported = list(seq.prompt_logprobs), True
-        text, req.pending_text = req.pending_text, ""
-        if req.detok is not None:
-            if len(req.detok.ids) < seq.num_output_tokens:
-                delta, _ = req.detok.add(seq.output_token_ids[len(req.detok.ids):])
+        if seq.prompt_logprobs is not None and not comp.prompt_reported and not seq.needs_prompt_logprobs:
+            prompt_logprobs, comp.prompt_reported = list(seq.prompt_logprobs), True
+        text, comp.pending_text = comp.pending_text, ""
+        if comp.detok is not None:
+            if len(comp.detok.ids) < seq.num_output_tokens:
+                delta, _ = comp.detok.add(seq.output_token_ids[len(comp.detok.ids):])
                 text += delta
-            if finished and not req.stopped_by_string:  # the tail held back in case a stop string began there
-                text += req.detok.flush()
-        req.reported = seq.num_output_tokens
+            if finished and not comp.stopped_by_string:  # the tail held back in case a stop string began there
+                text += comp.detok.flush()
+        comp.reported = seq.num_output_tokens
         if finished:
-            del self.requests[seq.request_id]
+            del self._completions[seq.request_id]
+            siblings = self.requests[comp.request_id].completions
+            if not any(c.seq.request_id in self._completions for c in siblings):
+                del self.requests[comp.request_id]  # its last completion
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=list(new), finished=finished,
+            request_id=comp.request_id, new_token_ids=list(new), finished=finished,
             finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens, text=text,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=comp.index,
         )
 
     def stats(self) -> EngineStats:
@@ -425,28 +368,32 @@ class LLMEngine:
     # convenience
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
-        """Run prompts together to completion (continuous batching) and return them in order."""
+        """Run prompts together to completion (continuous batching) and return their completions in
+        order: prompt by prompt, each prompt's SamplingParams.n of them by index (one each by default)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params):
             self.add_request(rid, prompt, p)
-        done: dict[str, Completion] = {}
-        acc = {rid: ([], [], None if p.logprobs is None else []) for rid, p in zip(ids, params)}
-        scored: dict[str, list] = {}
-        while len(done) < len(ids):
+        keys = [(rid, i) for rid, p in zip(ids, params) for i in range(p.n)]
+        done: dict[tuple[str, int], Completion] = {}
+        logprobs_of = {rid: p.logprobs for rid, p in zip(ids, params)}
+        acc = {(rid, i): ([], [], None if logprobs_of[rid] is None else []) for rid, i in keys}
+        scored: dict[tuple[str, int], list] = {}
+        while len(done) < len(keys):
             for out in self.step():
-                tokens, texts, logprobs = acc[out.request_id]
+                key = out.request_id, out.index
+                tokens, texts, logprobs = acc[key]
                 tokens.extend(out.new_token_ids)
                 texts.append(out.text)
                 if logprobs is not None:
                     logprobs.extend(out.logprobs)
                 if out.prompt_logprobs is not None:
-                    scored[out.request_id] = out.prompt_logprobs
+                    scored[key] = out.prompt_logprobs
                 if out.finished:
-                    done[out.request_id] = Completion(out.request_id, tokens, "".join(texts), out.finish_reason,
-                                                      out.num_prompt_tokens, out.num_cached_tokens, logprobs,
-                                                      scored.get(out.request_id))
-        return [done[rid] for rid in ids]
+                    done[key] = Completion(out.request_id, tokens, "".join(texts), out.finish_reason,
+                                           out.num_prompt_tokens, out.num_cached_tokens, logprobs, scored.get(key),
+                                           out.index)
+        return [done[key] for key in keys]
 
 
 def stream_prefill_experts(model, device: torch.device, min_tokens: int, pin: bool) -> list:
@@ -485,7 +432,7 @@ class _StreamedRun:
         engine, self.steps = self.engine, i + 1
         step = SchedulerOutput([replace(w, start_pos=w.start_pos + i, num_steps=1) for w in self.scheduled])
         changed = engine.scheduler.update(step, {w.seq.request_id: t for w, t in zip(self.scheduled, tokens)})
-        outputs = [engine._postprocess(seq) for seq in changed if seq.request_id in engine.requests]
+        outputs = [engine._postprocess(seq) for seq in changed if seq.request_id in engine._completions]
         if outputs:
             self.emit(outputs)
         running = any(not w.seq.is_finished for w in self.scheduled)
@@ -498,8 +445,29 @@ class _StreamedRun:
             raise RuntimeError(f"a streamed run returned {done} steps, {self.steps} applied")
 
 
+def sequence_id(request_id: str, index: int, n: int) -> str:
+    """The scheduler's id of completion `index` of a request for `n`: the request's own id for one
+    completion (unless it holds a '#'), else f"{request_id}#{index}". Two (request id, index) pairs
+    never share one: an id with a '#' splits back into them at its last '#'."""
+    return request_id if n == 1 and "#" not in request_id else f"{request_id}#{index}"
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """Completion `index`'s seed: seed + index, wrapped past torch's largest seed (2**64 - 1) into
+    the negative seeds it also takes."""
+    seeded = seed + index
+    return seeded - (1 << 64) if seed < 1 << 64 <= seeded else seeded
+
+
 @dataclass
 class _Request:
+    completions: list[_Completion]  # by index; the request is over when the last one finishes
+
+
+@dataclass
+class _Completion:
+    request_id: str
+    index: int
     seq: Sequence
     generator: torch.Generator | None
     detok: IncrementalDetokenizer | None

@@ -200,7 +200,7 @@ class TokenLogprobs:
 
 @dataclass
 class RequestOutput:
-    """What one engine step produced for one request."""
+    """What one engine step produced for one completion of a request (one of its SamplingParams.n)."""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
@@ -211,5 +211,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     text: str = ""  # detokenized delta for new_token_ids (empty without a tokenizer)
     logprobs: list[TokenLogprobs] | None = None  # one per new_token_ids entry, when the request asked
-    # One per prompt token (None for the first), in the first output after the prompt is computed.
+    # One per prompt token (None for the first), in the first output after the prompt is computed
+    # (of completion 0 only: the prompt is scored once).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    index: int = 0  # which of the request's SamplingParams.n completions this output is of

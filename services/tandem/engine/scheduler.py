@@ -25,6 +25,12 @@ It stays on the CPU tier until it finishes (no ping-pong between tiers). A seque
 fit the CPU tier with room to grow is recomputed, never swapped out, as is the latest-arrived
 CPU-tier sequence when the CPU tier is full.
 
+A request for n completions (SamplingParams.n) is n sequences that share its prompt. The first
+is queued as any request; with prefix caching the others are held until its prompt is computed,
+then go to the front of the waiting queue, where they take its full prompt blocks from the
+prefix cache: the prompt is prefilled once, and each of the others computes only the last partial
+block and the last token (whose logits it samples its first token from).
+
 Not thread-safe: the engine calls schedule → run → update from one thread, and abort/finish
 between steps.
 """
@@ -136,23 +142,44 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # in arrival order
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
+        # A request's other completions, held (status WAITING, not in `waiting`) until the first one's
+        # prompt is computed: by the first one's id, and each held one's first one's id.
+        self._held: dict[str, list[Sequence]] = {}
+        self._held_for: dict[str, str] = {}
 
     # queue
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request. Raises InvalidRequest for requests that can never run, QueueFull when full."""
-        if seq.request_id in self._seqs:
-            raise DuplicateRequest(seq.request_id)
-        if seq.num_prompt_tokens >= self.config.max_model_len:
-            raise InvalidRequest("prompt", f"{seq.num_prompt_tokens} tokens leave no room to generate "
-                                           f"within max_model_len={self.config.max_model_len}")
-        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.output_token_ids:
-            raise InvalidRequest("request_id", f"{seq.request_id!r} is not a new request")
+    def add(self, seq: Sequence, siblings: tuple[Sequence, ...] | list[Sequence] = ()) -> None:
+        """Queue a new request: `seq`, and `siblings`, the request's other completions (on the same
+        prompt). Raises InvalidRequest for requests that can never run, QueueFull when full.
+
+        With prefix caching the siblings wait for seq's prompt (see the module docstring), when it
+        has a full block to share. Without it each prefills the prompt itself: forking seq's block
+        table (a copy-on-write of its partial last block) would save that prefill, at the price of
+        the first shared block a sequence writes."""
+        group = [seq, *siblings]
+        if len({s.request_id for s in group}) < len(group):
+            raise InvalidRequest("request_id", f"{seq.request_id!r}: its completions need ids of their own")
+        for s in group:
+            if s.request_id in self._seqs:
+                raise DuplicateRequest(s.request_id)
+            if s.num_prompt_tokens >= self.config.max_model_len:
+                raise InvalidRequest("prompt", f"{s.num_prompt_tokens} tokens leave no room to generate "
+                                               f"within max_model_len={self.config.max_model_len}")
+            if s.status is not SequenceStatus.WAITING or s.num_computed_tokens or s.output_token_ids:
+                raise InvalidRequest("request_id", f"{s.request_id!r} is not a new request")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting={self.config.max_waiting})")
-        seq.params = seq.params.within(self.config.max_model_len - seq.num_prompt_tokens)  # an unset max_tokens
+        for s in group:
+            s.params = s.params.within(self.config.max_model_len - s.num_prompt_tokens)  # an unset max_tokens
+            self._seqs[s.request_id] = s
         self.waiting.append(seq)
-        self._seqs[seq.request_id] = seq
+        bm = self.block_manager
+        if siblings and bm.enable_prefix_caching and seq.num_prompt_tokens > bm.block_size:  # a full block to share
+            self._held[seq.request_id] = list(siblings)
+            self._held_for.update((s.request_id, seq.request_id) for s in siblings)
+        else:
+            self.waiting.extend(siblings)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Cancel a request and free its blocks now. None if it is unknown or already finished."""
@@ -177,7 +204,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Sequences waiting to be admitted, completions held for their request's prompt included."""
+        return len(self.waiting) + len(self._held_for)
 
     @property
     def num_swapped(self) -> int:
@@ -382,6 +410,7 @@ class Scheduler:
                 if reason is not None:
                     break  # the tokens after a stop are dropped
             self.block_manager.cache_full_blocks(seq)
+            self._release(seq)  # its prompt is computed and cached
             if reason is not None:
                 self._retire(seq, reason, stop_reason)
             changed.append(seq)
@@ -402,11 +431,21 @@ class Scheduler:
             return "length", None
         return None, None
 
+    def _release(self, seq: Sequence) -> None:
+        """Queue the completions held for seq's prompt, at the front: their request is already running."""
+        held = self._held.pop(seq.request_id, ())
+        for s in held:
+            del self._held_for[s.request_id]
+        self.waiting.extendleft(reversed(held))
+
     def _retire(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        self._release(seq)  # should it end before its prompt is computed, they compute the prompt themselves
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
+        elif seq.request_id in self._held_for:
+            self._held[self._held_for.pop(seq.request_id)].remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

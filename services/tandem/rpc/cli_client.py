@@ -17,7 +17,7 @@ def build_request(args) -> inference_pb2.GenerateRequest:
     sampling = inference_pb2.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, stop=list(args.stop))
+        frequency_penalty=args.frequency_penalty, stop=list(args.stop), n=args.n)
     if args.seed is not None:
         sampling.seed = args.seed
     if args.logprobs is not None:
@@ -41,28 +41,32 @@ def build_request(args) -> inference_pb2.GenerateRequest:
     return request
 
 
-def collect(stub, request, timeout_s: float | None = None) -> dict:
-    """Runs one Generate stream to its end: token_ids, text, finish_reason, usage and, when asked
-    for, logprobs (a TokenLogprobs per token) and prompt_logprobs (one per prompt token, None for
-    the first)."""
+def collect(stub, request, timeout_s: float | None = None) -> list[dict]:
+    """Runs one Generate stream to its end: for each of its completions, by index, token_ids, text,
+    finish_reason, usage and, when asked for, logprobs (a TokenLogprobs per token) and
+    prompt_logprobs (one per prompt token, None for the first; completion 0's only)."""
     from tandem.engine.sampling_params import TokenLogprobs
 
     def plain(e):
         return TokenLogprobs(e.logprob, e.rank, tuple((t.token_id, t.logprob) for t in e.top))
 
-    token_ids, texts, logprobs, prompt_logprobs, last = [], [], [], [None], None
+    n = request.sampling.n if request.sampling.HasField("n") else 1
+    parts = [{"token_ids": [], "texts": [], "logprobs": [], "prompt_logprobs": [None], "last": None} for _ in range(n)]
     for response in stub.Generate(request, timeout=timeout_s):
-        token_ids.extend(response.token_ids)
-        texts.append(response.text)
-        logprobs.extend(map(plain, response.logprobs))
-        prompt_logprobs.extend(map(plain, response.prompt_logprobs))
-        last = response
-    if last is None or not last.finish_reason:
-        raise RuntimeError("the server closed the stream without a final message")
-    return {"token_ids": token_ids, "text": "".join(texts), "finish_reason": last.finish_reason,
-            "prompt_tokens": last.usage.prompt_tokens, "cached_tokens": last.usage.cached_tokens,
-            "logprobs": logprobs if request.sampling.HasField("logprobs") else None,
-            "prompt_logprobs": prompt_logprobs if request.sampling.HasField("prompt_logprobs") else None}
+        part = parts[response.index]
+        part["token_ids"].extend(response.token_ids)
+        part["texts"].append(response.text)
+        part["logprobs"].extend(map(plain, response.logprobs))
+        part["prompt_logprobs"].extend(map(plain, response.prompt_logprobs))
+        part["last"] = response
+    if any(p["last"] is None or not p["last"].finish_reason for p in parts):
+        raise RuntimeError("the server closed the stream without a final message for each completion")
+    return [{"index": i, "token_ids": p["token_ids"], "text": "".join(p["texts"]),
+             "finish_reason": p["last"].finish_reason, "prompt_tokens": p["last"].usage.prompt_tokens,
+             "cached_tokens": p["last"].usage.cached_tokens,
+             "logprobs": p["logprobs"] if request.sampling.HasField("logprobs") else None,
+             "prompt_logprobs": p["prompt_logprobs"] if request.sampling.HasField("prompt_logprobs") and i == 0
+             else None} for i, p in enumerate(parts)]
 
 
 def run_remote_generate(args) -> int:
@@ -78,13 +82,14 @@ def run_remote_generate(args) -> int:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
             info = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=30)
-            result = collect(stub, request)
+            results = collect(stub, request)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise UsageError(exc.details()) from None
             print(f"tandem: error: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    text = result["text"] if info.has_tokenizer else None
-    print_result(args, result["token_ids"], text, result["finish_reason"], result["prompt_tokens"],
-                 result["cached_tokens"], result["logprobs"], result["prompt_logprobs"])
+    for result in results:
+        text = result["text"] if info.has_tokenizer else None
+        print_result(args, result["token_ids"], text, result["finish_reason"], result["prompt_tokens"],
+                     result["cached_tokens"], result["logprobs"], result["prompt_logprobs"], result["index"])
     return 0

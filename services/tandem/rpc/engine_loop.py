@@ -7,6 +7,13 @@ When the experts process is unreachable the engine keeps the failed step pending
 marks itself down (health NOT_SERVING, new requests UNAVAILABLE) and retries with backoff
 until a step, or a probe of the experts when nothing is pending, succeeds again.
 
+A request for n completions (SamplingParams.n) has one stream, which ends after the last of
+its completions' final outputs. One completion that fails ("error") fails the request: the loop
+aborts the others (their KV blocks freed) and ends the stream with the failed output. Its metrics
+are a request's: one outcome (error, else length if any completion reached it, else stop) and
+one time to first token (of whichever completion's comes first); tokens count one by one, and
+inter-token latency is each completion's own gaps.
+
 A bug that escapes the loop thread itself (not an engine step's error, which fails that step's
 requests) ends the loop: its requests fail with UNAVAILABLE, new ones are refused, and
 `on_fatal` tells the server, which reports itself not alive so that its supervisor restarts it.
@@ -21,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.engine.sampling_params import RequestOutput, SamplingParams
@@ -51,12 +58,14 @@ class LoopConfig:
 
 @dataclass
 class _Stream:
-    """The asyncio side of one request, plus the timestamps its latency metrics need."""
+    """The asyncio side of one request, plus what its metrics need."""
 
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     arrival: float
-    last_token: float | None = None
+    unfinished: set[int] = field(default_factory=set)  # its completions' indexes
+    last_token: dict[int, float] = field(default_factory=dict)  # by completion index
+    outcomes: set[str] = field(default_factory=set)  # of its finished completions
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -114,7 +123,7 @@ class EngineLoop:
             prompt = await asyncio.to_thread(prompt, self.engine)
         if params.structured_outputs is not None:  # compiled (and cached) here, not on the engine's thread
             await asyncio.to_thread(self.engine.compile_constraint, params)
-        stream = _Stream(asyncio.Queue(), loop, received)
+        stream = _Stream(asyncio.Queue(), loop, received, set(range(params.n)))
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._call(lambda: self._add(request_id, prompt, params, stream, done), done)
         try:
@@ -304,16 +313,16 @@ class EngineLoop:
         if queue is not None and (stream is None or stream.queue is not queue):
             return  # finished already (its id maybe reused since): not ours to abort
         self._streams.pop(request_id, None)
-        output = self.engine.abort_request(request_id)
+        outputs = self.engine.abort_request(request_id)
         self.metrics.record_engine_stats(self.engine.stats())  # its blocks are free now
         if stream is None:
             return
         if counted:
             self.metrics.record_outcome("cancelled")
-        if notify:
-            output = output or RequestOutput(request_id)
-            output.finished, output.finish_reason = True, "cancelled"
-            stream.put(output)
+        if notify:  # a last output for each completion not finished
+            for output in outputs or [RequestOutput(request_id, index=i) for i in sorted(stream.unfinished)]:
+                output.finished, output.finish_reason = True, "cancelled"
+                stream.put(output)
 
     def _cancel_all(self) -> None:
         for request_id in list(self._streams):
@@ -335,21 +344,31 @@ class EngineLoop:
                 continue  # aborted while the step ran
             self._observe_tokens(stream, out, now)
             if out.finished:
-                self._streams.pop(out.request_id)
-                self.metrics.prefix_cached_tokens.inc(out.num_cached_tokens)
-                reason = out.finish_reason if out.finish_reason in ("stop", "length") else "error"
-                self.metrics.record_outcome(reason)
+                self._finish(stream, out)
             stream.put(out)
+
+    def _finish(self, stream: _Stream, out: RequestOutput) -> None:
+        """Accounts a completion's final output; the request's when it is the last, or failed."""
+        stream.unfinished.discard(out.index)
+        self.metrics.prefix_cached_tokens.inc(out.num_cached_tokens)
+        stream.outcomes.add(out.finish_reason if out.finish_reason in ("stop", "length") else "error")
+        if "error" in stream.outcomes and stream.unfinished:
+            self.engine.abort_request(out.request_id)  # the request failed: the others end with it
+            stream.unfinished.clear()
+        if not stream.unfinished:
+            self._streams.pop(out.request_id)
+            self.metrics.record_outcome(next((o for o in ("error", "length") if o in stream.outcomes), "stop"))
 
     def _observe_tokens(self, stream: _Stream, out: RequestOutput, now: float) -> None:
         n = len(out.new_token_ids)
         if n == 0:
             return
         self.metrics.generated_tokens.inc(n)
-        if stream.last_token is None:
+        last = stream.last_token.get(out.index)
+        if not stream.last_token:  # the request's first token, whichever completion's
             self.metrics.time_to_first_token.observe(now - stream.arrival)
-        else:
-            gap = (now - stream.last_token) / n  # several tokens in one output share the gap
+        elif last is not None:
+            gap = (now - last) / n  # several tokens in one output share the gap
             for _ in range(n):
                 self.metrics.inter_token_latency.observe(gap)
-        stream.last_token = now
+        stream.last_token[out.index] = now

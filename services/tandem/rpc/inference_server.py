@@ -80,7 +80,7 @@ def prompt_from_proto(request: inference_pb2.GenerateRequest) -> str | list[int]
 
 def response_from_output(out: RequestOutput) -> inference_pb2.GenerateResponse:
     response = inference_pb2.GenerateResponse(
-        request_id=out.request_id, token_ids=out.new_token_ids, text=out.text)
+        request_id=out.request_id, token_ids=out.new_token_ids, text=out.text, index=out.index)
     response.logprobs.extend(map(_logprobs_to_proto, out.logprobs or ()))
     response.prompt_logprobs.extend(map(_logprobs_to_proto, (out.prompt_logprobs or [None])[1:]))
     if out.finished:
@@ -128,16 +128,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             code, message = status_of(exc)
             self.metrics.record_outcome(outcome_of(code))
             await context.abort(code, message)
-        finished = False
+        unfinished = params.n  # completions: the call ends after the last one's final message
         try:
-            while not finished:
+            while unfinished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True  # the loop already forgot the request
+                    unfinished = 0  # the loop already forgot the request
                     code, message = status_of(item)
                     await context.abort(code, message)
-                finished = item.finished
+                if item.finished:
+                    unfinished -= 1
                 if item.finish_reason == "error":  # the model failed on it (the server logged why)
+                    unfinished = 0  # and the loop aborted the request's other completions
                     if item.new_token_ids:
                         item.finished = False
                         yield response_from_output(item)
@@ -145,7 +147,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                         "the tokens streamed before this error stand")
                 yield response_from_output(item)
         finally:
-            if not finished:  # cancelled or disconnected: free its KV blocks now
+            if unfinished:  # cancelled or disconnected: free its KV blocks now
                 log.info("request %s cancelled by the client", request_id)
                 with contextlib.suppress(ServerUnavailable):  # stopping: the loop cancels it anyway
                     loop.abort(request_id, queue)

@@ -60,9 +60,11 @@ class InferenceServicer:
     def Generate(self, request, context):
         """Generates tokens for one prompt (text, token ids or a chat conversation), streaming them as
         they are decoded. The first message arrives once the prompt is prefilled; the last carries
-        finish_reason and usage.
-        Cancelling the call aborts the request and frees its KV blocks. A request the model fails
-        on ends with INTERNAL after the tokens streamed before the failure.
+        finish_reason and usage. With SamplingParams.n completions, each has its own last message
+        (GenerateResponse.index tells them apart), and the call ends after the last of them.
+        Cancelling the call aborts the request, all of its completions, and frees its KV blocks. A
+        request the model fails on ends with INTERNAL after the tokens streamed before the failure;
+        with n completions, one that fails fails the request: the others are aborted with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
