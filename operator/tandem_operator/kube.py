@@ -46,7 +46,9 @@ SERVICES = Resource("", "v1", "services", "Service")
 PDBS = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 PODS = Resource("", "v1", "pods", "Pod")
 HYBRIDMODELS = Resource(names.GROUP, names.VERSION, names.PLURAL, names.KIND)
-BY_KIND = {r.kind: r for r in (DEPLOYMENTS, SERVICES, PDBS, PODS, HYBRIDMODELS)}
+# Only read, one by name: the credentials of a Prometheus the autoscaler queries.
+SECRETS = Resource("", "v1", "secrets", "Secret")
+BY_KIND = {r.kind: r for r in (DEPLOYMENTS, SERVICES, PDBS, PODS, HYBRIDMODELS, SECRETS)}
 
 
 # Error statuses that may pass on their own: not found or conflicting during a concurrent change,

@@ -6,20 +6,25 @@ summed over the model's pods; the p95 is computed from that by `histogram.quanti
 
 from __future__ import annotations
 
+import http
 import json
 import math
 import re
+import ssl
 import string
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from tandem import contract
 
 from . import names
 from .histogram import Histogram, HistogramError, increase, merge, parse_histograms
+
+if TYPE_CHECKING:
+    from .prometheus_access import Access
 
 SCRAPE_TIMEOUT_SECONDS = 5
 
@@ -153,15 +158,17 @@ def prometheus_query(template: str | None, namespace: str, name: str, window_sec
         namespace=namespace, name=name, window=str(window_seconds))
 
 
-def read_prometheus(url: str, query: str, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> Histogram | float | None:
+def read_prometheus(url: str, query: str, timeout: float = SCRAPE_TIMEOUT_SECONDS,
+                    access: Access | None = None) -> Histogram | float | None:
     """Run an instant query: bucket increases (a vector with `le`) or a p95 in seconds (one sample).
 
     None when the query matches nothing (no traffic, or no scrapes yet) or answers NaN or ±Inf
-    (histogram_quantile over no observations): no samples, not a latency.
+    (histogram_quantile over no observations): no samples, not a latency. `access` gives the TLS
+    context and the headers (credentials included) to query with.
     """
     endpoint = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': query})}"
     try:
-        reply = json.loads(_http_get(endpoint, timeout))
+        reply = json.loads(_http_get(endpoint, timeout, access))
     except ValueError:
         raise MetricsError(f"{url}: the answer is not JSON") from None
     if reply.get("status") != "success":
@@ -198,11 +205,58 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _http_get(url: str, timeout: float) -> str:
+def _http_get(url: str, timeout: float, access: Access | None = None) -> str:
+    request = urllib.request.Request(url, headers=dict(access.headers) if access else {})
     try:
-        with _OPENER.open(url, timeout=timeout) as response:
+        with _opener(access).open(request, timeout=timeout) as response:
             return response.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
-        raise MetricsError(f"{url}: HTTP {e.code}") from None
+        raise MetricsError(f"{url}: HTTP {e.code}{_refused(e.code, access)}") from None
     except (urllib.error.URLError, OSError) as e:
-        raise MetricsError(f"{url}: {getattr(e, 'reason', e)}") from None
+        raise MetricsError(f"{url}: {_failure(getattr(e, 'reason', e))}") from None
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    # urllib would send the Authorization header on to wherever a redirect points.
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+def _opener(access: Access | None) -> urllib.request.OpenerDirector:
+    if access is None:
+        return _OPENER
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if access.context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=access.context))
+    if "Authorization" in access.headers:
+        handlers.append(_NoRedirect())
+    return urllib.request.build_opener(*handlers)
+
+
+def _refused(code: int, access: Access | None) -> str:
+    """Why a Prometheus answered `code`, where the spec can say: credentials refused, a redirect not followed."""
+    try:
+        phrase = f" {http.HTTPStatus(code).phrase}"
+    except ValueError:
+        phrase = ""
+    if access is None:  # a pod's /metrics, or a query made without the spec's access
+        return phrase
+    source = access.credentials
+    if code == 401:
+        return phrase + (f": the server refused the credentials of metrics.prometheus.{source}" if source
+                         else ": the server asks for credentials (metrics.prometheus.auth)")
+    if code == 403:
+        return phrase + (f": the credentials of metrics.prometheus.{source} may not run the query" if source
+                         else ": the server asks for credentials (metrics.prometheus.auth)")
+    if 300 <= code < 400 and "Authorization" in access.headers:
+        return phrase + ": redirects are not followed with credentials; point metrics.prometheus.url at the API"
+    return phrase
+
+
+def _failure(reason: object) -> str:
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        return (f"TLS: the server's certificate failed verification: {reason.verify_message} "
+                "(metrics.prometheus.tls: caSecret, serverName)")
+    if isinstance(reason, ssl.SSLError):
+        return f"TLS: {reason}"
+    return str(reason)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import kopf
 
-from . import autoscaler, kube, names
+from . import autoscaler, kube, names, prometheus_access
 from .histogram import quantile
 from .metrics_source import (MetricsError, PodWindow, Reading, prometheus_query, read_pods, read_prometheus,
                              ready_pods)
@@ -63,18 +63,17 @@ def _step(body: dict, spec: HybridModelSpec, memo: Any, now: float,
     pods = kube.list_labelled(kube.PODS, namespace, names.selector_labels(name))
     ready = len(ready_pods(pods))
     if not ready:
-        _report(namespace, name, False, "NoReadyPods", "no Ready pods to measure and scale from")
+        _report(body, False, "NoReadyPods", "no Ready pods to measure and scale from")
         return None
     try:
         measured = measure(spec, namespace, name, memo, now, pods)
     except MetricsError as e:
-        if _report(namespace, name, False, "FailedGetMetrics", str(e)):
+        if _report(body, False, "FailedGetMetrics", str(e)):
             kopf.warn(body, reason="FailedGetMetrics", message=str(e))
         logger.warning("no scaling decision: %s", e)
         return None
     if measured.p95_s is None and not measured.idle:
-        _report(namespace, name, False, "NoSamples",
-                f"no decode steps observed in the last {spec.autoscaling.windowSeconds}s")
+        _report(body, False, "NoSamples", f"no decode steps observed in the last {spec.autoscaling.windowSeconds}s")
         return None
 
     # As the HPA does, a model first seen at N replicas counts as recommended N: an operator
@@ -104,7 +103,8 @@ def keep_bounds(body: dict, spec: HybridModelSpec, memo: Any, now: float,
     memo.recommendations = [autoscaler.Recommendation(now, replicas)]
     meta = body["metadata"]
     write_status(meta["namespace"], meta["name"], fields, [condition(
-        SCALING_ACTIVE, True, reason, f"spec.replicas {spec.replicas} was {why}: set to {replicas}")])
+        SCALING_ACTIVE, True, reason, f"spec.replicas {spec.replicas} was {why}: set to {replicas}",
+        meta.get("generation"))])
     return autoscaler.Decision(replicas, replicas, reason)
 
 
@@ -136,7 +136,8 @@ def apply_decision(body: dict, spec: HybridModelSpec, decision: autoscaler.Decis
     message = f"{_observed(spec, measured)}, recommended {decision.recommended}"
     if measured.skipped:
         message += f"; {len(measured.skipped)} Ready pod(s) left out, metrics unreadable: {measured.skipped[0]}"
-    write_status(namespace, name, fields, [condition(SCALING_ACTIVE, True, decision.reason, message)])
+    write_status(namespace, name, fields, [condition(SCALING_ACTIVE, True, decision.reason, message,
+                                                     body["metadata"].get("generation"))])
 
 
 def retire(body: dict, memo: Any) -> None:
@@ -147,9 +148,10 @@ def retire(body: dict, memo: Any) -> None:
     meta = body["metadata"]
     conditions = (body.get("status") or {}).get("conditions") or []
     active = next((c for c in conditions if c.get("type") == SCALING_ACTIVE), None)
-    if active is not None and active.get("reason") != "Disabled":
+    if active is not None and (active.get("reason"), active.get("observedGeneration")) != (
+            "Disabled", meta.get("generation")):
         write_status(meta["namespace"], meta["name"], {}, [condition(
-            SCALING_ACTIVE, False, "Disabled", "spec.autoscaling.enabled is false")])
+            SCALING_ACTIVE, False, "Disabled", "spec.autoscaling.enabled is false", meta.get("generation"))])
 
 
 def measure(spec: HybridModelSpec, namespace: str, name: str, memo: Any, now: float,
@@ -159,7 +161,8 @@ def measure(spec: HybridModelSpec, namespace: str, name: str, memo: Any, now: fl
     window_seconds = spec.autoscaling.windowSeconds
     if metrics.source == "Prometheus":
         query = prometheus_query(metrics.prometheus.query, namespace, name, window_seconds)
-        result = read_prometheus(metrics.prometheus.url, query)
+        access = prometheus_access.access(metrics.prometheus, namespace)
+        result = read_prometheus(metrics.prometheus.url, query, access=access)
         # Buckets with no increase: the model's series exist and saw no decode step in the window.
         reading = Reading(result, covers_window=isinstance(result, dict))
     else:
@@ -203,9 +206,7 @@ def _autoscaled_spec(body: dict | None) -> HybridModelSpec | None:
     except SpecError:
         return None  # the reconciler reports the invalid spec
     if spec.replicas == 0:
-        meta = body["metadata"]
-        _report(meta["namespace"], meta["name"], False, "ScalingDisabled",
-                "replicas is 0; scale up by hand to resume autoscaling")
+        _report(body, False, "ScalingDisabled", "replicas is 0; scale up by hand to resume autoscaling")
         return None
     return spec
 
@@ -214,10 +215,12 @@ def _enabled(body: dict) -> bool:
     return bool(((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"))
 
 
-def _report(namespace: str, name: str, ok: bool, reason: str, message: str) -> bool:
-    """Set the ScalingActive condition; True when its reason changed (worth an event)."""
+def _report(body: dict, ok: bool, reason: str, message: str) -> bool:
+    """Set the ScalingActive condition of HybridModel `body`; True when its reason changed (worth an event)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
     before = kube.get(kube.HYBRIDMODELS, namespace, name) or {}
     old = next((c for c in (before.get("status") or {}).get("conditions") or []
                 if c.get("type") == SCALING_ACTIVE), {})
-    write_status(namespace, name, {}, [condition(SCALING_ACTIVE, ok, reason, message)])
+    write_status(namespace, name, {}, [condition(SCALING_ACTIVE, ok, reason, message, meta.get("generation"))])
     return old.get("reason") != reason

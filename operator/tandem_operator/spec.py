@@ -16,19 +16,15 @@ from kubernetes.utils import parse_quantity
 
 from tandem import contract
 
-
-class SpecError(ValueError):
-    """The HybridModel spec is invalid; the message names the field and the rule."""
+from .prometheus_spec import PrometheusSpec, parse_prometheus
+from .spec_fields import (SpecError, _bool, _choice, _int, _known, _number, _object, _quantity, _required,
+                          _string)
 
 
 # Path segments never start with a dot: no `..` escapes from the volume, no hidden dirs.
 _MODEL_PATH = re.compile(r"^$|^[A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*(/[A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*)*$")
 # A file by the same rules, named *.gguf.
 _GGUF_PATH = re.compile(r"^([A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*/)*[A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*\.gguf$")
-# The CRD's quantity pattern, without negative or milli values that make no sense for memory.
-_QUANTITY = re.compile(
-    r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[kMGTPE]|([eE](\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
-_URL = re.compile(r"^https?://\S+$")
 # A DNS-1035 label, as the CRD's rule on metadata.name: the name is also the Service's name and a
 # label value, and both allow no more.
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -87,12 +83,6 @@ class PlacementSpec:
     tolerations: list | None = None
     nodeSelector: dict = field(default_factory=dict)
     onePerNode: bool = True
-
-
-@dataclass(frozen=True)
-class PrometheusSpec:
-    url: str
-    query: str | None = None
 
 
 @dataclass(frozen=True)
@@ -290,15 +280,7 @@ def _metrics(raw: Mapping) -> MetricsSpec:
     where = "spec.autoscaling.metrics"
     _known(raw, where, MetricsSpec)
     source = _choice(raw, "source", where, "Pods", METRICS_SOURCES)
-    prometheus = None
-    if raw.get("prometheus") is not None:
-        prom = _object(raw["prometheus"], f"{where}.prometheus")
-        _known(prom, f"{where}.prometheus", PrometheusSpec)
-        url = _string(prom, "url", f"{where}.prometheus", None)
-        if not _URL.match(url):
-            raise SpecError(f"{where}.prometheus.url must be an http(s) URL, got {url!r}")
-        query = None if prom.get("query") is None else _string(prom, "query", f"{where}.prometheus", None, 1)
-        prometheus = PrometheusSpec(url=url.rstrip("/"), query=query)
+    prometheus = None if raw.get("prometheus") is None else parse_prometheus(raw["prometheus"])
     if source == "Prometheus" and prometheus is None:
         raise SpecError("metrics.source Prometheus needs metrics.prometheus.url")
     return MetricsSpec(source=source, prometheus=prometheus)
@@ -310,84 +292,3 @@ def _pull_secrets(raw: Any) -> tuple:
     if not isinstance(raw, list) or not all(isinstance(s, dict) and s.get("name") for s in raw):
         raise SpecError("spec.imagePullSecrets must be a list of {name: ...}")
     return tuple({"name": s["name"]} for s in raw)
-
-
-# Field readers: each names the field in its error.
-
-def _object(value: Any, where: str) -> Mapping:
-    if not isinstance(value, Mapping):
-        raise SpecError(f"{where} must be an object, got {type(value).__name__}")
-    return value
-
-
-def _known(raw: Mapping, where: str, cls: type) -> None:
-    unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
-    if unknown:
-        raise SpecError(f"{where} has unknown field(s): {', '.join(unknown)}")
-
-
-def _required(raw: Mapping, key: str, where: str) -> Any:
-    if raw.get(key) is None:
-        raise SpecError(f"{where}.{key} is required")
-    return raw[key]
-
-
-def _value(raw: Mapping, key: str, where: str, default: Any) -> Any:
-    value = raw.get(key)
-    if value is None:
-        if default is None:
-            raise SpecError(f"{where}.{key} is required")
-        return default
-    return value
-
-
-def _int(raw: Mapping, key: str, where: str, default: int | None, minimum: int | None = None,
-         maximum: int | None = None) -> int:
-    value = _value(raw, key, where, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{where}.{key} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise SpecError(f"{where}.{key} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise SpecError(f"{where}.{key} must be <= {maximum}, got {value}")
-    return value
-
-
-def _number(raw: Mapping, key: str, where: str, default: float | None) -> float:
-    value = _value(raw, key, where, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SpecError(f"{where}.{key} must be a number, got {value!r}")
-    return value
-
-
-def _bool(raw: Mapping, key: str, where: str, default: bool) -> bool:
-    value = raw.get(key, default)
-    if not isinstance(value, bool):
-        raise SpecError(f"{where}.{key} must be true or false, got {value!r}")
-    return value
-
-
-def _string(raw: Mapping, key: str, where: str, default: str | None, min_length: int = 0) -> str:
-    value = raw.get(key, default)
-    if value is None:
-        raise SpecError(f"{where}.{key} is required")
-    if not isinstance(value, str) or len(value) < min_length:
-        raise SpecError(f"{where}.{key} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _choice(raw: Mapping, key: str, where: str, default: str, choices: tuple) -> str:
-    value = raw.get(key, default)
-    if value not in choices:
-        raise SpecError(f"{where}.{key} must be one of {', '.join(choices)}; got {value!r}")
-    return value
-
-
-def _quantity(raw: Mapping, key: str, where: str, default: str) -> str:
-    value = raw.get(key, default)
-    try:
-        if not isinstance(value, str) or not _QUANTITY.match(value) or parse_quantity(value) <= 0:
-            raise ValueError(value)
-    except ValueError:
-        raise SpecError(f"{where}.{key} must be a positive quantity such as 32Gi, got {value!r}") from None
-    return value

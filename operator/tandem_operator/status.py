@@ -28,9 +28,13 @@ def now_iso(now: dt.datetime | None = None) -> str:
     return now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def condition(type_: str, ok: bool, reason: str, message: str = "") -> dict:
-    """A condition without its transition time (set by merge_conditions)."""
-    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+def condition(type_: str, ok: bool, reason: str, message: str = "", generation: int | None = None) -> dict:
+    """A condition without its transition time (set by merge_conditions); `generation` is the
+    HybridModel's metadata.generation it was computed from, as its observedGeneration."""
+    cond = {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
 
 
 def merge_conditions(previous: Iterable[dict], updates: Iterable[dict], now: str,

@@ -20,8 +20,16 @@ VALIDATOR = jsonschema.Draft7Validator(SCHEMA)
 EXAMPLES = sorted(path.name for path in EXAMPLES_DIR.glob("*.yaml"))
 
 
-def test_the_two_examples_exist():
-    assert {"mixtral-8x7b.yaml", "deepseek-r1.yaml"} <= set(EXAMPLES)
+def test_the_examples_exist():
+    assert {"mixtral-8x7b.yaml", "deepseek-r1.yaml", "mixtral-8x7b-prometheus-tls.yaml"} <= set(EXAMPLES)
+
+
+def test_the_prometheus_example_names_its_secrets():
+    spec_module = pytest.importorskip("tandem_operator.spec")
+    prometheus = spec_module.parse_spec(load_example("mixtral-8x7b-prometheus-tls.yaml")["spec"]).autoscaling.metrics
+    assert prometheus.source == "Prometheus" and prometheus.prometheus.url.startswith("https://")
+    assert prometheus.prometheus.tls.caSecret.name == "prometheus-ca"
+    assert prometheus.prometheus.auth.bearerTokenSecret.name == "prometheus-token"
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -96,6 +104,20 @@ BAD_SPECS = {
     "gpu memory fraction above 1": ("spec.kvCache.gpuMemoryFraction", 1.5),
     "unknown metrics source": ("spec.autoscaling.metrics.source", "Datadog"),
     "prometheus url not http": ("spec.autoscaling.metrics.prometheus", {"url": "prometheus:9090"}),
+    "misspelled prometheus tls field": ("spec.autoscaling.metrics.prometheus",
+                                        {"url": "https://p", "tls": {"insecureSkipVerfy": True}}),
+    "ca secret without a key": ("spec.autoscaling.metrics.prometheus",
+                                {"url": "https://p", "tls": {"caSecret": {"name": "ca"}}}),
+    "secret name not a DNS subdomain": ("spec.autoscaling.metrics.prometheus",
+                                        {"url": "https://p", "auth": {"basicAuthSecret": {"name": "Prom_Basic"}}}),
+    "basic auth secret with a key": ("spec.autoscaling.metrics.prometheus",
+                                     {"url": "https://p", "auth": {"basicAuthSecret": {"name": "b", "key": "k"}}}),
+    "string serviceAccountToken": ("spec.autoscaling.metrics.prometheus",
+                                   {"url": "https://p", "auth": {"serviceAccountToken": "true"}}),
+    "header value with a newline": ("spec.autoscaling.metrics.prometheus",
+                                    {"url": "https://p", "headers": {"X-Scope-OrgID": "a\r\nX-Evil: 1"}}),
+    "more than 16 headers": ("spec.autoscaling.metrics.prometheus",
+                             {"url": "https://p", "headers": {f"X-{i}": "v" for i in range(17)}}),
     "tolerations not a list": ("spec.placement.tolerations", {"key": "a"}),
     "string boolean": ("spec.autoscaling.enabled", "yes"),
 }

@@ -1,11 +1,15 @@
-"""A stand-in for a pod's /metrics and for Prometheus's query API, answering what a test sets."""
+"""A stand-in for a pod's /metrics and for Prometheus's query API, answering what a test sets;
+over TLS and behind a bearer token or basic auth, as a Prometheus behind a proxy is."""
 
 from __future__ import annotations
 
 import http.server
 import json
+import ssl
+import tempfile
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 from tandem import contract
@@ -29,23 +33,41 @@ def vector(*samples: tuple[dict, str]) -> dict:
 
 
 class FakeServer:
-    """`.metrics` is served at /metrics, `.answer` (JSON) at /api/v1/query; `.queries` logs the PromQL asked."""
+    """`.metrics` is served at /metrics, `.answer` (JSON) at /api/v1/query; `.queries` logs the PromQL asked.
+
+    With `.authorization` set, a request without that Authorization header is answered 401; with
+    `.redirect` set, every request is redirected there. `.headers` logs each request's headers.
+    """
 
     def __init__(self):
         self.metrics = exposition({0.05: 0.0})
         self.answer: dict = vector()
         self.queries: list[str] = []
+        self.headers: list[dict[str, str]] = []
+        self.authorization: str | None = None
+        self.redirect: str | None = None
         self.port = 0
 
 
 @contextmanager
-def fake_server() -> Iterator[FakeServer]:
+def fake_server(tls: tuple[str, str] | None = None) -> Iterator[FakeServer]:
+    """A server on 127.0.0.1; over HTTPS with `tls`, a (certificate, key) pair in PEM."""
     state = FakeServer()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             from urllib.parse import parse_qs, urlparse
             url = urlparse(self.path)
+            state.headers.append(dict(self.headers))
+            if state.redirect:
+                self.send_response(302)
+                self.send_header("Location", state.redirect)
+                self.end_headers()
+                return
+            if state.authorization is not None and self.headers.get("Authorization") != state.authorization:
+                self.send_response(401)
+                self.end_headers()
+                return
             if url.path == "/metrics":
                 body = state.metrics.encode()
             else:
@@ -59,6 +81,10 @@ def fake_server() -> Iterator[FakeServer]:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.handle_error = lambda *_: None  # a client refusing the certificate is what some tests want
+    if tls is not None:
+        server.socket = _server_context(*tls).wrap_socket(server.socket, server_side=True,
+                                                          do_handshake_on_connect=False)
     state.port = server.server_address[1]
     # A short poll interval: shutdown() waits for one.
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
@@ -68,3 +94,13 @@ def fake_server() -> Iterator[FakeServer]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _server_context(cert_pem: str, key_pem: str) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory() as directory:
+        cert, key = Path(directory) / "tls.crt", Path(directory) / "tls.key"
+        cert.write_text(cert_pem)
+        key.write_text(key_pem)
+        context.load_cert_chain(cert, key)
+    return context

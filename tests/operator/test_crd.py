@@ -12,8 +12,13 @@ from hm_cluster import crd_schema, hybrid_model, load_crd
 
 from tandem_operator import names
 from tandem_operator.placement import PREFERRED, REQUIRED
+from tandem_operator.prometheus_spec import PrometheusAuth, PrometheusTLS, SecretRef
 from tandem_operator.spec import (AttentionSpec, AutoscalingSpec, ExpertsSpec, KVCacheSpec, PlacementSpec,
                                   SpecError, check_name, parse_spec)
+
+def _prometheus(url: str = "https://prom:9090", **fields) -> dict:
+    return {"autoscaling": {"metrics": {"source": "Prometheus", "prometheus": {"url": url, **fields}}}}
+
 
 GOOD = {
     "minimal": {},
@@ -22,6 +27,16 @@ GOOD = {
     "autoscaled-prometheus": {"autoscaling": {"enabled": True, "maxReplicas": 2, "targetP95InterTokenLatencyMs": 5.5,
                                               "metrics": {"source": "Prometheus",
                                                           "prometheus": {"url": "http://prom:9090"}}}},
+    "prometheus-tls-bearer": {"autoscaling": {"metrics": {"prometheus": {
+        "url": "https://thanos.monitoring.svc:9091",
+        "tls": {"caSecret": {"name": "prometheus-ca", "key": "ca.crt"}, "serverName": "thanos.monitoring.svc"},
+        "auth": {"bearerTokenSecret": {"name": "prometheus-token", "key": "token"}},
+        "headers": {"X-Scope-OrgID": "team-a"}}}}},
+    "prometheus-basic-auth": {"autoscaling": {"metrics": {"prometheus": {
+        "url": "https://prom:9090", "tls": {"insecureSkipVerify": True},
+        "auth": {"basicAuthSecret": {"name": "prometheus.basic-auth"}, "serviceAccountToken": False}}}}},
+    "prometheus-service-account": {"autoscaling": {"metrics": {"prometheus": {
+        "url": "https://thanos-querier.openshift-monitoring.svc:9091", "auth": {"serviceAccountToken": True}}}}},
     "tuned": {"kvCache": {"blockSize": 64, "gpuMemoryFraction": 1, "cpuTierGiB": 0},
               "experts": {"cpus": 1, "memory": "1.5Gi", "threads": 2, "quantization": "int4",
                           "spinMicroseconds": 20000}},
@@ -61,6 +76,14 @@ BAD = {
     "string-scheduler-steps": ({"attention": {"numSchedulerSteps": "8"}}, "numSchedulerSteps"),
     "bad-source": ({"autoscaling": {"metrics": {"source": "Datadog"}}}, "source"),
     "bad-url": ({"autoscaling": {"metrics": {"prometheus": {"url": "prom:9090"}}}}, "url"),
+    "ca-secret-without-key": (_prometheus(tls={"caSecret": {"name": "ca"}}), "tls.caSecret.key is required"),
+    "bad-secret-name": (_prometheus(auth={"bearerTokenSecret": {"name": "Prom_Token", "key": "t"}}),
+                        "must be a Secret's name"),
+    "bad-secret-key": (_prometheus(auth={"bearerTokenSecret": {"name": "t", "key": "a/b"}}), "must be a Secret's key"),
+    "string-skip-verify": (_prometheus(tls={"insecureSkipVerify": "true"}), "insecureSkipVerify"),
+    "header-injection": (_prometheus(headers={"X-Scope-OrgID": "a\r\nAuthorization: Bearer x"}),
+                         "without control characters"),
+    "too-many-headers": (_prometheus(headers={f"X-{i}": "v" for i in range(17)}), "at most 16 headers"),
     "empty-gguf": ({"experts": {"gguf": ""}}, "spec.experts.gguf"),
     "absolute-gguf": ({"experts": {"gguf": "/models/m.gguf"}}, "spec.experts.gguf"),
     "escaping-gguf": ({"experts": {"gguf": "../m.gguf"}}, "spec.experts.gguf"),
@@ -94,6 +117,12 @@ BAD_CEL = {
     "enabled-without-target": ({"autoscaling": {"enabled": True, "maxReplicas": 3}}, "autoscaling"),
     "min-above-max": ({"autoscaling": {"minReplicas": 5, "maxReplicas": 3}}, "autoscaling"),
     "prometheus-without-url": ({"autoscaling": {"metrics": {"source": "Prometheus"}}}, "metrics"),
+    "tls-over-http": (_prometheus(url="http://prom:9090", tls={"insecureSkipVerify": False}),
+                      "tls needs an https:// url"),
+    "bearer-and-basic-auth": (_prometheus(auth={"bearerTokenSecret": {"name": "t", "key": "t"},
+                                                "basicAuthSecret": {"name": "b"}}), "at most one of"),
+    "bearer-and-service-account": (_prometheus(auth={"bearerTokenSecret": {"name": "t", "key": "t"},
+                                                     "serviceAccountToken": True}), "at most one of"),
     "gguf-with-int8": ({"experts": {"gguf": "m.gguf", "quantization": "int8"}},
                        "spec.experts.gguf cannot be combined with spec.experts.quantization int8"),
     "gguf-with-int4": ({"experts": {"gguf": "m.gguf", "quantization": "int4"}},
@@ -151,7 +180,7 @@ def test_kubernetes_typed_fields_declare_their_fields():
 @pytest.mark.parametrize("name", BAD_CEL)
 def test_cross_field_rules_are_declared_and_enforced(name):
     rules = [r["rule"] for r in _walk_validations(crd_schema()["properties"]["spec"])]
-    assert len(rules) == 4
+    assert len(rules) == 6
     overrides, message = BAD_CEL[name]
     with pytest.raises(SpecError, match=message):
         parse_spec(body(overrides)["spec"])
@@ -200,6 +229,48 @@ def test_gguf_excludes_quantization_on_the_experts_object():
     assert parse_spec(body({"experts": {"quantization": "int4"}})["spec"]).experts.gguf is None
 
 
+def test_prometheus_rules_sit_on_the_objects_they_read():
+    # The JSON Schema check cannot see CEL: each rule must sit where all the fields it reads are.
+    prometheus = crd_schema()["properties"]["spec"]["properties"]["autoscaling"]["properties"]["metrics"][
+        "properties"]["prometheus"]
+    (tls_rule,) = prometheus["x-kubernetes-validations"]
+    assert tls_rule["rule"] == "!has(self.tls) || self.url.startsWith('https://')"
+    (auth_rule,) = prometheus["properties"]["auth"]["x-kubernetes-validations"]
+    assert auth_rule["rule"] == ("(has(self.bearerTokenSecret) ? 1 : 0) + (has(self.basicAuthSecret) ? 1 : 0) + "
+                                 "(has(self.serviceAccountToken) && self.serviceAccountToken ? 1 : 0) <= 1")
+    assert "at most one" in auth_rule["message"]
+    # What the rules let through, parse_spec lets through too: one source, or a false serviceAccountToken.
+    auth = {"basicAuthSecret": {"name": "b"}, "serviceAccountToken": False}
+    parsed = parse_spec(body(_prometheus(auth=auth))["spec"]).autoscaling.metrics.prometheus
+    assert parsed.auth == PrometheusAuth(basicAuthSecret=SecretRef("b"))
+    assert parsed.auth.source == "auth.basicAuthSecret b"
+    assert parse_spec(body(_prometheus(url="https://p", tls={}))["spec"]).autoscaling.metrics.prometheus.tls == \
+        PrometheusTLS()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"auth": {"basicAuthSecret": {"name": "b", "key": "password"}}}, "auth.basicAuthSecret has unknown field"),
+    ({"tls": {"insecureSkipVerfy": True}}, "tls has unknown field"),
+    ({"tls": {"ca": "-----BEGIN CERTIFICATE-----"}}, "tls has unknown field"),
+])
+def test_unknown_prometheus_fields_are_refused(fields, message):
+    # The API server prunes them (kubectl's strict validation refuses them: tests/chart).
+    with pytest.raises(SpecError, match=message):
+        parse_spec(body(_prometheus(**fields))["spec"])
+
+
+def test_prometheus_headers_may_not_carry_credentials():
+    # Whoever may read the HybridModel could read them; credentials go in a Secret. Not in the
+    # schema (no CEL over map keys, whose cost the API server cannot bound): parse_spec refuses them.
+    for name in ("Authorization", "authorization"):
+        with pytest.raises(SpecError, match="may not set Authorization"):
+            parse_spec(body(_prometheus(headers={name: "Bearer abc"}))["spec"])
+    with pytest.raises(SpecError, match="is not an HTTP header name"):
+        parse_spec(body(_prometheus(headers={"X Scope": "a"}))["spec"])
+    spec = parse_spec(body(_prometheus(headers={"X-Scope-OrgID": "team-a|team-b"}))["spec"])
+    assert spec.autoscaling.metrics.prometheus.headers == {"X-Scope-OrgID": "team-a|team-b"}
+
+
 def test_names_scale_and_printer_columns():
     crd = load_crd()
     assert crd["metadata"]["name"] == f"{names.PLURAL}.{names.GROUP}"
@@ -228,6 +299,13 @@ def test_crd_defaults_equal_the_operators():
     parsed = parse_spec(minimal)
     assert (parsed.attention, parsed.experts, parsed.kvCache, parsed.placement, parsed.autoscaling) == (
         AttentionSpec(), ExpertsSpec(), KVCacheSpec(), PlacementSpec(), AutoscalingSpec())
+    # The same for the Prometheus objects' defaults, once present.
+    prometheus = _prometheus(tls={}, auth={})["autoscaling"]
+    defaulted = _apply_defaults(schema, copy.deepcopy({**minimal, "autoscaling": prometheus}))
+    assert defaulted["autoscaling"]["metrics"]["prometheus"]["tls"] == {"insecureSkipVerify": False}
+    assert defaulted["autoscaling"]["metrics"]["prometheus"]["auth"] == {"serviceAccountToken": False}
+    parsed = parse_spec(defaulted).autoscaling.metrics.prometheus
+    assert (parsed.tls, parsed.auth, parsed.headers) == (PrometheusTLS(), PrometheusAuth(), {})
 
 
 def _apply_defaults(schema: dict, value):

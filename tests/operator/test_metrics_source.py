@@ -3,13 +3,16 @@ is idle, and the default PromQL selects this model's series only."""
 
 from __future__ import annotations
 
+import base64
 import math
 import types
+from dataclasses import astuple
 
 import pytest
 
 from fake_metrics import exposition, fake_server, vector
-from tandem_operator import names
+from tls_certs import CA
+from tandem_operator import kube, names, prometheus_access
 from tandem_operator.metrics_source import (DEFAULT_PROMETHEUS_QUERY, MetricsError, PodWindow, prometheus_query,
                                             read_pods, read_prometheus)
 from tandem_operator.scaling import measure
@@ -117,3 +120,155 @@ def test_default_query_selects_this_models_series_only():
     # What the default selects on is the pods' model label, as Prometheus spells label names.
     assert DEFAULT_PROMETHEUS_QUERY.count("tandem_dev_hybridmodel") == 1
     assert names.MODEL_LABEL.replace(".", "_").replace("/", "_") == "tandem_dev_hybridmodel"
+
+
+# Prometheus over TLS and with credentials (metrics.prometheus.tls, .auth, .headers)
+
+TOKEN = "s3cret-token.with_chars~"
+
+
+def secret(**data: str) -> dict:
+    """A Secret as the API serves it: `data` in base64."""
+    return {"apiVersion": "v1", "kind": "Secret", "data": {k: base64.b64encode(v.encode()).decode()
+                                                            for k, v in data.items()}}
+
+
+@pytest.fixture(scope="module")
+def ca():
+    return CA()
+
+
+@pytest.fixture
+def https(ca):
+    """A fake Prometheus over HTTPS, its certificate for 127.0.0.1 issued by `ca`, wanting TOKEN."""
+    with fake_server(tls=astuple(ca.issue(ips=("127.0.0.1",)))) as state:
+        state.authorization = f"Bearer {TOKEN}"
+        state.answer = vector(({}, "0.042"))
+        state.url = f"https://127.0.0.1:{state.port}"
+        yield state
+
+
+def prometheus_spec(url: str, **fields):
+    """A parsed metrics.prometheus with query `q`."""
+    return parse_spec({"model": {"volume": {"emptyDir": {}}}, "image": "x", "autoscaling": {"metrics": {
+        "source": "Prometheus", "prometheus": {"url": url, "query": "q", **fields}}}}).autoscaling.metrics.prometheus
+
+
+def query(prometheus, secrets: dict) -> float | None:
+    """What the autoscaler reads from `prometheus`, with `secrets` ({name: Secret}) in namespace models."""
+    access = prometheus_access.access(prometheus, "models", lambda ns, name: secrets.get(name) if ns == "models"
+                                      else None)
+    return read_prometheus(prometheus.url, prometheus.query, access=access)
+
+
+BEARER = {"tls": {"caSecret": {"name": "prom-ca", "key": "ca.crt"}},
+          "auth": {"bearerTokenSecret": {"name": "prom-token", "key": "token"}}}
+
+
+def test_a_bearer_token_and_a_private_ca_from_secrets(https, ca):
+    prometheus = prometheus_spec(https.url, headers={"X-Scope-OrgID": "team-a"}, **BEARER)
+    secrets = {"prom-ca": secret(**{"ca.crt": ca.cert_pem}), "prom-token": secret(token=TOKEN + "\n")}
+    assert query(prometheus, secrets) == 0.042
+    (headers,) = https.headers
+    # The token file's newline is dropped; the tenant header goes along (header names are case-insensitive).
+    assert headers["Authorization"] == f"Bearer {TOKEN}"
+    assert {k.lower(): v for k, v in headers.items()}["x-scope-orgid"] == "team-a"
+
+
+def test_basic_auth_from_a_secret(https, ca):
+    https.authorization = "Basic " + base64.b64encode(b"tandem:pa:ss word").decode()
+    prometheus = prometheus_spec(https.url, tls=BEARER["tls"], auth={"basicAuthSecret": {"name": "prom-basic"}})
+    secrets = {"prom-ca": secret(**{"ca.crt": ca.cert_pem}), "prom-basic": secret(username="tandem",
+                                                                                 password="pa:ss word")}
+    assert query(prometheus, secrets) == 0.042
+    assert prometheus_access.basic("Aladdin", "open sesame", "x") == "Basic QWxhZGRpbjpvcGVuIHNlc2FtZQ=="  # RFC 7617
+
+
+def test_the_operators_own_service_account_token(https, ca, tmp_path, monkeypatch):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    monkeypatch.setattr(prometheus_access, "SERVICE_ACCOUNT_TOKEN", token)
+    prometheus = prometheus_spec(https.url, tls=BEARER["tls"], auth={"serviceAccountToken": True})
+    assert query(prometheus, {"prom-ca": secret(**{"ca.crt": ca.cert_pem})}) == 0.042
+    token.unlink()  # not in a pod
+    with pytest.raises(MetricsError, match="auth.serviceAccountToken: the operator's token .* cannot be read"):
+        query(prometheus, {"prom-ca": secret(**{"ca.crt": ca.cert_pem})})
+
+
+def test_insecure_skip_verify_accepts_any_certificate(https):
+    prometheus = prometheus_spec(https.url, tls={"insecureSkipVerify": True, "caSecret": {"name": "gone", "key": "k"}},
+                                 auth=BEARER["auth"])
+    assert query(prometheus, {"prom-token": secret(token=TOKEN)}) == 0.042
+
+
+def test_server_name_is_checked_instead_of_the_urls_host(ca):
+    with fake_server(tls=astuple(ca.issue(dns_names=("prometheus.monitoring.svc",)))) as server:
+        server.answer = vector(({}, "0.042"))
+        url = f"https://127.0.0.1:{server.port}"
+        secrets = {"prom-ca": secret(**{"ca.crt": ca.cert_pem})}
+        mismatch = "certificate failed verification: IP address mismatch, certificate is not valid for '127.0.0.1'"
+        with pytest.raises(MetricsError, match=mismatch):
+            query(prometheus_spec(url, tls=BEARER["tls"]), secrets)
+        tls = dict(BEARER["tls"], serverName="prometheus.monitoring.svc")
+        assert query(prometheus_spec(url, tls=tls), secrets) == 0.042
+
+
+@pytest.mark.parametrize("secrets, message", [
+    ({"prom-token": secret(token=TOKEN)}, "metrics.prometheus.tls.caSecret: Secret models/prom-ca not found"),
+    ({"prom-ca": secret(other="x"), "prom-token": secret(token=TOKEN)},
+     r"tls.caSecret: Secret models/prom-ca has no key 'ca.crt' \(its keys: other\)"),
+    ({"prom-ca": secret(**{"ca.crt": "not a certificate " + TOKEN}), "prom-token": secret(token=TOKEN)},
+     "tls.caSecret: Secret prom-ca key 'ca.crt' holds no PEM CA certificate"),
+    ({"prom-ca": "CA"}, "auth.bearerTokenSecret: Secret models/prom-token not found"),
+    ({"prom-ca": "CA", "prom-token": secret(tok=TOKEN)}, "Secret models/prom-token has no key 'token'"),
+    ({"prom-ca": "CA", "prom-token": secret(token=f"{TOKEN}\nX-Evil: 1")},
+     "auth.bearerTokenSecret prom-token: the token is empty or holds spaces or control characters"),
+    ({"prom-ca": "OTHER CA", "prom-token": secret(token=TOKEN)},
+     "TLS: the server's certificate failed verification: unable to get local issuer certificate"),
+    ({"prom-ca": "CA", "prom-token": secret(token="wrong-" + TOKEN)},
+     "HTTP 401 Unauthorized: the server refused the credentials of metrics.prometheus.auth.bearerTokenSecret "
+     "prom-token"),
+])
+def test_what_is_missing_or_refused_is_named_and_no_secret_is_told(https, ca, secrets, message):
+    pem = {"CA": ca.cert_pem, "OTHER CA": CA("another CA").cert_pem}
+    secrets = {name: secret(**{"ca.crt": pem[value]}) if isinstance(value, str) else value
+               for name, value in secrets.items()}
+    with pytest.raises(MetricsError, match=message) as error:
+        query(prometheus_spec(https.url, **BEARER), secrets)
+    assert TOKEN not in str(error.value) and "BEGIN CERTIFICATE" not in str(error.value)
+
+
+def test_a_server_wanting_credentials_says_so(https, ca):
+    with pytest.raises(MetricsError, match=r"HTTP 401 Unauthorized: the server asks for credentials \(metrics.pro"):
+        query(prometheus_spec(https.url, tls=BEARER["tls"]), {"prom-ca": secret(**{"ca.crt": ca.cert_pem})})
+
+
+def test_a_forbidden_secret_read_is_named():
+    def forbidden(namespace, name):
+        raise kube.KubeError(403, "GET", f"/api/v1/namespaces/{namespace}/secrets/{name}",
+                             f'secrets "{name}" is forbidden: User "system:serviceaccount:tandem:op" cannot get')
+
+    prometheus = prometheus_spec("https://prom:9090", auth=BEARER["auth"])
+    with pytest.raises(MetricsError, match="auth.bearerTokenSecret: cannot read Secret models/prom-token: HTTP 403: "
+                                           'secrets "prom-token" is forbidden'):
+        prometheus_access.access(prometheus, "models", forbidden)
+
+
+def test_credentials_do_not_follow_a_redirect(https, ca):
+    # urllib would send the Authorization header on to wherever the redirect points.
+    with fake_server() as elsewhere:
+        https.redirect = f"http://127.0.0.1:{elsewhere.port}/api/v1/query?query=q"
+        secrets = {"prom-ca": secret(**{"ca.crt": ca.cert_pem}), "prom-token": secret(token=TOKEN)}
+        with pytest.raises(MetricsError, match="HTTP 302 Found: redirects are not followed with credentials"):
+            query(prometheus_spec(https.url, **BEARER), secrets)
+        assert not elsewhere.headers
+
+
+def test_access_keeps_the_credentials_out_of_its_repr(https, ca):
+    secrets = {"prom-ca": secret(**{"ca.crt": ca.cert_pem}), "prom-token": secret(token=TOKEN)}
+    access = prometheus_access.access(prometheus_spec(https.url, **BEARER), "models", lambda ns, n: secrets.get(n))
+    assert access.headers["Authorization"] == f"Bearer {TOKEN}" and TOKEN not in repr(access)
+    assert access.credentials == "auth.bearerTokenSecret prom-token"
+    # Plain HTTP: no TLS context; no credentials: no Authorization header.
+    plain = prometheus_access.access(prometheus_spec("http://prom:9090"), "models", lambda ns, n: None)
+    assert (plain.context, dict(plain.headers), plain.credentials) == (None, {}, None)

@@ -141,6 +141,33 @@ async def test_an_idle_model_scales_down_to_min_and_disabling_says_so(cluster, o
     assert condition(await cluster.get(model_path("quiet")), "ScalingActive")["status"] == "False"
 
 
+async def test_scaling_active_carries_the_generation_it_was_set_for(cluster, operator):
+    # As Ready, Progressing and Degraded do: which spec the condition speaks of.
+    await cluster.create_model(hybrid_model("gen", autoscaling=AUTOSCALING))
+    await cluster.create(core_path("pods"), pod("gen-1", "gen", metrics_port=1))  # nothing listens
+    await wait_for(lambda: _is(scaling_reason(cluster, "gen"), "FailedGetMetrics"), what="FailedGetMetrics")
+    assert condition(await cluster.get(model_path("gen")), "ScalingActive")["observedGeneration"] == 1
+
+    # A spec change (the API server raises the generation) is acted on, and the condition says so.
+    await cluster.patch(model_path("gen"), {"metadata": {"generation": 2},
+                                            "spec": {"autoscaling": {"targetP95InterTokenLatencyMs": 40}}})
+    await wait_for(lambda: _condition_generation(cluster, "gen", "FailedGetMetrics", 2), timeout=SERVER_TIMEOUT,
+                   what="FailedGetMetrics at generation 2")
+    await cluster.patch(model_path("gen"), {"metadata": {"generation": 3}, "spec": {"autoscaling": {"enabled": False}}})
+    await wait_for(lambda: _condition_generation(cluster, "gen", "Disabled", 3), timeout=SERVER_TIMEOUT,
+                   what="Disabled at generation 3")
+    # Still off after another change: still Disabled, now for generation 4. (The watch can take
+    # seconds to bring KMock's newer bodies to the operator.)
+    await cluster.patch(model_path("gen"), {"metadata": {"generation": 4}, "spec": {"autoscaling": {"maxReplicas": 3}}})
+    await wait_for(lambda: _condition_generation(cluster, "gen", "Disabled", 4), timeout=SERVER_TIMEOUT,
+                   what="Disabled at generation 4")
+
+
+async def _condition_generation(cluster, name, reason, generation):
+    active = condition(await cluster.get(model_path(name)), "ScalingActive")
+    return (active.get("reason"), active.get("observedGeneration")) == (reason, generation)
+
+
 async def _is(awaitable, expected):
     return (await awaitable) == expected
 

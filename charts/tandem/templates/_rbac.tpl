@@ -58,6 +58,12 @@ What the operator does to HybridModels and their children, in the namespaces it 
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
+# The CA and credentials of a Prometheus the autoscaler queries (metrics.prometheus.tls and .auth),
+# read one by name at each step: never listed or watched, so no Secret is read unless a
+# HybridModel names it.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
 # Warnings, repairs and scaling decisions are reported as Events on the HybridModel.
 - apiGroups: [""]
   resources: ["events"]

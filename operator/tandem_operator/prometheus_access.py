@@ -1,0 +1,155 @@
+"""How the autoscaler reaches a Prometheus behind TLS or credentials: the Secrets that
+`metrics.prometheus.tls` and `.auth` name, read through the Kubernetes API, made into an SSL
+context and the query's headers.
+
+Secrets are read at every autoscaling step, not cached: the operator may only `get` Secrets (not
+list or watch them), so a cache would GET them anyway to notice a change, and this way a rotated
+token or CA is used from the next step on. No message or log line carries what a Secret holds.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from . import kube
+from .metrics_source import MetricsError
+from .prometheus_spec import PrometheusAuth, PrometheusSpec, PrometheusTLS, SecretKeyRef
+
+# Where the kubelet keeps the operator pod's projected ServiceAccount token (and rotates it).
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+# A token as RFC 6750 allows it: no spaces or control characters, which would also break the header.
+_TOKEN = re.compile(r"^[\x21-\x7e]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+# (namespace, name) -> the Secret, or None when there is none.
+SecretGetter = Callable[[str, str], "dict | None"]
+
+
+@dataclass(frozen=True)
+class Access:
+    """What a query sends and checks: the TLS context (None for plain HTTP) and the headers."""
+
+    context: ssl.SSLContext | None = None
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)  # holds the credentials
+    credentials: str | None = None  # where the Authorization header comes from, in the spec's words
+
+
+def access(prometheus: PrometheusSpec, namespace: str, get_secret: SecretGetter | None = None) -> Access:
+    """Read what `prometheus` names from `namespace`; a MetricsError says what is missing or unusable."""
+    get_secret = get_secret or _get_secret
+    tls, auth = prometheus.tls, prometheus.auth
+    context = None
+    if prometheus.url.startswith("https://"):
+        ca = None if tls.caSecret is None or tls.insecureSkipVerify else _secret_value(
+            get_secret, namespace, tls.caSecret, "tls.caSecret")
+        context = ssl_context(tls, ca)
+    headers = dict(prometheus.headers)
+    authorization = _authorization(auth, namespace, get_secret)
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    return Access(context, headers, auth.source)
+
+
+def ssl_context(tls: PrometheusTLS, ca_pem: str | None = None) -> ssl.SSLContext:
+    """A client context that trusts `ca_pem` (PEM certificates) if given, else the system's CAs."""
+    if tls.serverName:
+        context = _ServerNameContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.server_name = tls.serverName
+    else:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if tls.insecureSkipVerify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    elif ca_pem is None:
+        context.load_default_certs()
+    else:
+        try:
+            context.load_verify_locations(cadata=ca_pem)
+        except (ssl.SSLError, ValueError, TypeError) as e:
+            ref = tls.caSecret
+            where = f"Secret {ref.name} key {ref.key!r}" if ref else "the CA bundle"
+            raise MetricsError(f"metrics.prometheus.tls.caSecret: {where} holds no PEM CA certificate: {e}") from None
+    return context
+
+
+def bearer(token: str, source: str) -> str:
+    """The Authorization header for a bearer token (surrounding whitespace, as a file's newline, dropped)."""
+    token = token.strip()
+    if not _TOKEN.match(token):
+        raise MetricsError(f"{source}: the token is empty or holds spaces or control characters")
+    return f"Bearer {token}"
+
+
+def basic(username: str, password: str, source: str) -> str:
+    """The Authorization header for HTTP basic auth (RFC 7617)."""
+    username, password = username.rstrip("\r\n"), password.rstrip("\r\n")
+    if not username or ":" in username or _CONTROL.search(username + password):
+        raise MetricsError(f"{source}: the username must be non-empty without ':', and neither it nor the password "
+                           "may hold control characters")
+    return "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode("ascii")
+
+
+class _ServerNameContext(ssl.SSLContext):
+    """Sends (as SNI) and checks `server_name` instead of the URL's host, as Prometheus' server_name does."""
+
+    server_name = ""
+
+    def wrap_socket(self, sock, *args, **kwargs):  # type: ignore[override]
+        kwargs["server_hostname"] = self.server_name
+        return super().wrap_socket(sock, *args, **kwargs)
+
+
+def _authorization(auth: PrometheusAuth, namespace: str, get_secret: SecretGetter) -> str | None:
+    if auth.bearerTokenSecret is not None:
+        token = _secret_value(get_secret, namespace, auth.bearerTokenSecret, "auth.bearerTokenSecret")
+        return bearer(token, f"metrics.prometheus.{auth.source}")
+    if auth.basicAuthSecret is not None:
+        name, where = auth.basicAuthSecret.name, "auth.basicAuthSecret"
+        data = _secret_data(get_secret, namespace, name, where)
+        username, password = (_decoded(data, namespace, SecretKeyRef(name, key), where)
+                              for key in ("username", "password"))
+        return basic(username, password, f"metrics.prometheus.{auth.source}")
+    if auth.serviceAccountToken:
+        try:
+            token = SERVICE_ACCOUNT_TOKEN.read_text()
+        except OSError as e:
+            raise MetricsError(f"auth.serviceAccountToken: the operator's token {SERVICE_ACCOUNT_TOKEN} cannot be "
+                               f"read ({e.strerror}): is the operator running in a pod that mounts its "
+                               "ServiceAccount token?") from None
+        return bearer(token, f"metrics.prometheus.{auth.source}")
+    return None
+
+
+def _get_secret(namespace: str, name: str) -> dict | None:
+    return kube.get(kube.SECRETS, namespace, name)
+
+
+def _secret_data(get_secret: SecretGetter, namespace: str, name: str, where: str) -> dict:
+    try:
+        secret = get_secret(namespace, name)
+    except kube.KubeError as e:
+        raise MetricsError(f"metrics.prometheus.{where}: cannot read Secret {namespace}/{name}: HTTP {e.status}: "
+                           f"{e.message}") from None
+    if secret is None:
+        raise MetricsError(f"metrics.prometheus.{where}: Secret {namespace}/{name} not found")
+    return secret.get("data") or {}
+
+
+def _secret_value(get_secret: SecretGetter, namespace: str, ref: SecretKeyRef, where: str) -> str:
+    return _decoded(_secret_data(get_secret, namespace, ref.name, where), namespace, ref, where)
+
+
+def _decoded(data: dict, namespace: str, ref: SecretKeyRef, where: str) -> str:
+    """One key of a Secret's `data` (base64, as the API serves it) as text; its value is never in a message."""
+    secret = f"metrics.prometheus.{where}: Secret {namespace}/{ref.name}"
+    if ref.key not in data:
+        raise MetricsError(f"{secret} has no key {ref.key!r} (its keys: {', '.join(sorted(data)) or 'none'})")
+    try:
+        return base64.b64decode(data[ref.key], validate=True).decode("utf-8")
+    except (ValueError, TypeError):
+        raise MetricsError(f"{secret} key {ref.key!r} is not UTF-8 text") from None

@@ -1,0 +1,156 @@
+"""`spec.autoscaling.metrics.prometheus`: where the Prometheus HTTP API is, the PromQL to run, and
+how to reach it (TLS, credentials, headers), as the CRD declares them.
+
+The credentials themselves never appear in the spec: it names Secrets in the HybridModel's
+namespace, which tandem_operator.prometheus_access reads when it queries.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .spec_fields import SpecError, _bool, _known, _object, _string
+
+WHERE = "spec.autoscaling.metrics.prometheus"
+_URL = re.compile(r"^https?://\S+$")
+# Kubernetes' rules for a Secret's name (a DNS-1123 subdomain) and for the keys of its data.
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+# An HTTP field name (RFC 9110's token), and a value without control characters (no header
+# injection through a newline).
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_HEADER_VALUE = re.compile(r"^[^\x00-\x1f\x7f]*$")
+HEADERS_MAX = 16
+HEADER_VALUE_MAX_LENGTH = 1024
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """A Secret in the HybridModel's namespace."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    """One key of a Secret in the HybridModel's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class PrometheusTLS:
+    caSecret: SecretKeyRef | None = None  # a PEM CA bundle trusted instead of the system's CAs
+    insecureSkipVerify: bool = False
+    serverName: str | None = None  # the name the certificate must carry, when the URL's host is not it
+
+
+@dataclass(frozen=True)
+class PrometheusAuth:
+    """At most one source of credentials."""
+
+    bearerTokenSecret: SecretKeyRef | None = None
+    basicAuthSecret: SecretRef | None = None  # holds the keys `username` and `password`
+    serviceAccountToken: bool = False  # the operator's own projected token, as a bearer token
+
+    @property
+    def source(self) -> str | None:
+        """Where the credentials come from, in the spec's words (for messages); None without any."""
+        if self.bearerTokenSecret is not None:
+            return f"auth.bearerTokenSecret {self.bearerTokenSecret.name}"
+        if self.basicAuthSecret is not None:
+            return f"auth.basicAuthSecret {self.basicAuthSecret.name}"
+        return "auth.serviceAccountToken" if self.serviceAccountToken else None
+
+
+@dataclass(frozen=True)
+class PrometheusSpec:
+    url: str
+    query: str | None = None
+    tls: PrometheusTLS = field(default_factory=PrometheusTLS)
+    auth: PrometheusAuth = field(default_factory=PrometheusAuth)
+    headers: dict = field(default_factory=dict)  # sent with every query, e.g. Mimir's X-Scope-OrgID
+
+
+def parse_prometheus(raw: Any) -> PrometheusSpec:
+    """Validate `metrics.prometheus`; raise SpecError on the first bad field."""
+    prom = _object(raw, WHERE)
+    _known(prom, WHERE, PrometheusSpec)
+    url = _string(prom, "url", WHERE, None)
+    if not _URL.match(url):
+        raise SpecError(f"{WHERE}.url must be an http(s) URL, got {url!r}")
+    if prom.get("tls") is not None and not url.startswith("https://"):
+        raise SpecError(f"{WHERE}.tls needs an https:// url, got {url!r}")
+    return PrometheusSpec(
+        url=url.rstrip("/"),
+        query=None if prom.get("query") is None else _string(prom, "query", WHERE, None, 1),
+        tls=_tls(_object(prom.get("tls", {}), f"{WHERE}.tls")),
+        auth=_auth(_object(prom.get("auth", {}), f"{WHERE}.auth")),
+        headers=_headers(_object(prom.get("headers", {}), f"{WHERE}.headers")),
+    )
+
+
+def _tls(raw: Mapping) -> PrometheusTLS:
+    where = f"{WHERE}.tls"
+    _known(raw, where, PrometheusTLS)
+    return PrometheusTLS(
+        caSecret=None if raw.get("caSecret") is None else _secret_key(raw["caSecret"], f"{where}.caSecret"),
+        insecureSkipVerify=_bool(raw, "insecureSkipVerify", where, False),
+        serverName=None if raw.get("serverName") is None else _string(raw, "serverName", where, None, 1),
+    )
+
+
+def _auth(raw: Mapping) -> PrometheusAuth:
+    where = f"{WHERE}.auth"
+    _known(raw, where, PrometheusAuth)
+    bearer, basic = raw.get("bearerTokenSecret"), raw.get("basicAuthSecret")
+    auth = PrometheusAuth(
+        bearerTokenSecret=None if bearer is None else _secret_key(bearer, f"{where}.bearerTokenSecret"),
+        basicAuthSecret=None if basic is None else _secret(basic, f"{where}.basicAuthSecret"),
+        serviceAccountToken=_bool(raw, "serviceAccountToken", where, False),
+    )
+    if (bearer is not None) + (basic is not None) + auth.serviceAccountToken > 1:
+        raise SpecError(f"{where} takes at most one of bearerTokenSecret, basicAuthSecret and serviceAccountToken")
+    return auth
+
+
+def _secret(raw: Any, where: str) -> SecretRef:
+    ref = _object(raw, where)
+    _known(ref, where, SecretRef)
+    return SecretRef(_secret_name(ref, where))
+
+
+def _secret_key(raw: Any, where: str) -> SecretKeyRef:
+    ref = _object(raw, where)
+    _known(ref, where, SecretKeyRef)
+    key = _string(ref, "key", where, None, 1)
+    if len(key) > 253 or not _SECRET_KEY.match(key):
+        raise SpecError(f"{where}.key {key!r} must be a Secret's key: letters, digits, '-', '_' and '.'")
+    return SecretKeyRef(_secret_name(ref, where), key)
+
+
+def _secret_name(ref: Mapping, where: str) -> str:
+    name = _string(ref, "name", where, None, 1)
+    if len(name) > 253 or not _SECRET_NAME.match(name):
+        raise SpecError(f"{where}.name {name!r} must be a Secret's name (a DNS subdomain)")
+    return name
+
+
+def _headers(raw: Mapping) -> dict:
+    where = f"{WHERE}.headers"
+    if len(raw) > HEADERS_MAX:
+        raise SpecError(f"{where} holds at most {HEADERS_MAX} headers, got {len(raw)}")
+    for name, value in raw.items():
+        if not _HEADER_NAME.match(name):
+            raise SpecError(f"{where}: {name!r} is not an HTTP header name")
+        if name.lower() == "authorization":
+            # Whoever may read the HybridModel could read it there.
+            raise SpecError(f"{where} may not set Authorization: put the credentials in a Secret named by "
+                            "metrics.prometheus.auth")
+        if not isinstance(value, str) or len(value) > HEADER_VALUE_MAX_LENGTH or not _HEADER_VALUE.match(value):
+            raise SpecError(f"{where}.{name} must be a string of at most {HEADER_VALUE_MAX_LENGTH} characters, "
+                            "without control characters")
+    return dict(raw)

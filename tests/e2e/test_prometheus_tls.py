@@ -1,0 +1,195 @@
+"""End to end: a real Prometheus serving its API over TLS (a certificate from a CA made here) and
+behind basic auth (a bcrypt-hashed password), both through `--web.config.file`; the autoscaler, and
+then the real operator (kopf against KMock, with the Secrets in KMock), read a latency from it.
+
+Prometheus' web config has no bearer tokens: tests/operator tests those against a stand-in server.
+Prometheus comes from the Debian package (installed by .ci/run); on CI a missing binary is a
+failure, elsewhere a skip.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import types
+import urllib.request
+from pathlib import Path
+
+import bcrypt
+import pytest
+import yaml
+
+from tandem_operator import prometheus_access
+from tandem_operator.metrics_source import MetricsError
+from tandem_operator.scaling import measure
+from tandem_operator.spec import parse_spec
+
+# The operator tests' KMock and kopf fixtures, and their certificate and pod helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+from hm_cluster import NS, core_path, hybrid_model, model_path, wait_for  # noqa: E402
+from kopf_fixtures import cluster, operator  # noqa: E402,F401 (fixtures)
+from test_operator_kmock import condition, pod  # noqa: E402
+from tls_certs import CA  # noqa: E402
+
+USERNAME, PASSWORD = "tandem", "correct horse battery staple"
+STARTUP_TIMEOUT_S = 60
+# One sample: read as the p95 in seconds, 200 ms against a 50 ms target.
+QUERY = "vector(0.2)"
+
+
+@pytest.fixture(scope="module")
+def prometheus_binary() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("prometheus is not installed (apt-get install prometheus); CI must run this test")
+        pytest.skip("prometheus is not installed (apt-get install prometheus)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def secure_prometheus(prometheus_binary, tmp_path_factory):
+    """Prometheus with TLS (a certificate for 127.0.0.1 from its own CA) and basic auth on its API."""
+    directory = tmp_path_factory.mktemp("prometheus-tls")
+    ca = CA("tandem e2e CA")
+    cert, key = ca.issue(dns_names=("prometheus.monitoring.svc",), ips=("127.0.0.1",)).write(directory, "server")
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()  # the cheapest cost: a test
+    (directory / "web.yml").write_text(yaml.safe_dump({
+        "tls_server_config": {"cert_file": str(cert), "key_file": str(key)},
+        "basic_auth_users": {USERNAME: hashed},
+    }))
+    (directory / "prometheus.yml").write_text(yaml.safe_dump({"global": {"evaluation_interval": "1s"}}))
+    port = _free_port()
+    log = open(directory / "prometheus.log", "wb")
+    process = subprocess.Popen(
+        [prometheus_binary, f"--config.file={directory / 'prometheus.yml'}",
+         f"--storage.tsdb.path={directory / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+         f"--web.config.file={directory / 'web.yml'}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"https://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, ca.cert_pem, process, directory / "prometheus.log")
+        yield types.SimpleNamespace(url=url, ca=ca.cert_pem)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def secret(name: str, **data: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NS},
+            "data": {key: base64.b64encode(value.encode()).decode() for key, value in data.items()}}
+
+
+def autoscaling(url: str, **prometheus) -> dict:
+    return {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetP95InterTokenLatencyMs": 50,
+            "windowSeconds": 30, "metrics": {"source": "Prometheus",
+                                             "prometheus": {"url": url, "query": QUERY, **prometheus}}}
+
+
+TLS = {"caSecret": {"name": "prometheus-ca", "key": "ca.crt"}}
+AUTH = {"basicAuthSecret": {"name": "prometheus-basic"}}
+
+
+def read(url: str, secrets: dict[str, dict], monkeypatch, **prometheus) -> float | None:
+    """The p95 the autoscaler measures, with `secrets` as the Secrets of namespace NS."""
+    monkeypatch.setattr(prometheus_access, "_get_secret", lambda namespace, name: secrets.get(name))
+    spec = parse_spec({"model": {"volume": {"emptyDir": {}}}, "image": "x",
+                       "autoscaling": autoscaling(url, **prometheus)})
+    return measure(spec, NS, "mixtral", types.SimpleNamespace(), time.monotonic()).p95_s
+
+
+def test_the_right_ca_and_password_read_a_latency(secure_prometheus, monkeypatch):
+    secrets = {"prometheus-ca": secret("prometheus-ca", **{"ca.crt": secure_prometheus.ca}),
+               "prometheus-basic": secret("prometheus-basic", username=USERNAME, password=PASSWORD)}
+    assert read(secure_prometheus.url, secrets, monkeypatch, tls=TLS, auth=AUTH) == 0.2
+
+
+def test_another_ca_fails_verification(secure_prometheus, monkeypatch):
+    secrets = {"prometheus-ca": secret("prometheus-ca", **{"ca.crt": CA("another CA").cert_pem}),
+               "prometheus-basic": secret("prometheus-basic", username=USERNAME, password=PASSWORD)}
+    with pytest.raises(MetricsError, match="TLS: the server's certificate failed verification: unable to get "
+                                           "local issuer certificate"):
+        read(secure_prometheus.url, secrets, monkeypatch, tls=TLS, auth=AUTH)
+
+
+def test_the_system_cas_do_not_know_a_private_ca(secure_prometheus, monkeypatch):
+    secrets = {"prometheus-basic": secret("prometheus-basic", username=USERNAME, password=PASSWORD)}
+    with pytest.raises(MetricsError, match="TLS: the server's certificate failed verification"):
+        read(secure_prometheus.url, secrets, monkeypatch, auth=AUTH)
+
+
+def test_a_wrong_password_is_refused(secure_prometheus, monkeypatch):
+    secrets = {"prometheus-ca": secret("prometheus-ca", **{"ca.crt": secure_prometheus.ca}),
+               "prometheus-basic": secret("prometheus-basic", username=USERNAME, password="Tr0ub4dor&3")}
+    with pytest.raises(MetricsError, match="HTTP 401 Unauthorized: the server refused the credentials of "
+                                           "metrics.prometheus.auth.basicAuthSecret prometheus-basic") as error:
+        read(secure_prometheus.url, secrets, monkeypatch, tls=TLS, auth=AUTH)
+    assert "Tr0ub4dor" not in str(error.value)
+    with pytest.raises(MetricsError, match=r"HTTP 401 Unauthorized: the server asks for credentials"):
+        read(secure_prometheus.url, secrets, monkeypatch, tls=TLS)
+
+
+def test_insecure_skip_verify_reads_without_the_ca(secure_prometheus, monkeypatch):
+    secrets = {"prometheus-basic": secret("prometheus-basic", username=USERNAME, password=PASSWORD)}
+    assert read(secure_prometheus.url, secrets, monkeypatch, tls={"insecureSkipVerify": True}, auth=AUTH) == 0.2
+
+
+async def test_operator_scales_from_a_prometheus_behind_tls_and_basic_auth(secure_prometheus, cluster, operator):
+    await cluster.create(core_path("secrets"), secret("prometheus-ca", **{"ca.crt": secure_prometheus.ca}))
+    await cluster.create(core_path("secrets"), secret("prometheus-basic", username=USERNAME, password=PASSWORD))
+    await cluster.create_model(hybrid_model("mixtral", autoscaling=autoscaling(secure_prometheus.url, tls=TLS,
+                                                                               auth=AUTH)))
+    await cluster.create(core_path("pods"), pod("mixtral-1", "mixtral"))
+
+    async def scaled():
+        model = await cluster.get(model_path("mixtral"))
+        return model if (model.get("status") or {}).get("desiredReplicas") == 4 else None
+
+    model = await wait_for(scaled, timeout=STARTUP_TIMEOUT_S, what="desiredReplicas 4 from Prometheus over TLS")
+    assert model["spec"]["replicas"] == 4 and model["status"]["p95InterTokenLatencyMs"] == 200
+    assert condition(model, "ScalingActive")["reason"] == "ScaleUp"
+
+    # The password changes in the Secret but not in Prometheus: refused at the next step.
+    await cluster.patch(core_path("secrets", "prometheus-basic"),
+                        {"data": {"password": base64.b64encode(b"Tr0ub4dor&3").decode()}})
+
+    async def refused():
+        scaling = condition(await cluster.get(model_path("mixtral")), "ScalingActive")
+        return scaling if scaling.get("reason") == "FailedGetMetrics" else None
+
+    scaling = await wait_for(refused, timeout=STARTUP_TIMEOUT_S, what="FailedGetMetrics")
+    assert "HTTP 401 Unauthorized" in scaling["message"] and "Tr0ub4dor" not in scaling["message"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, ca_pem: str, process: subprocess.Popen, log: Path) -> None:
+    context = ssl.create_default_context(cadata=ca_pem)
+    credentials = base64.b64encode(f"{USERNAME}:{PASSWORD}".encode()).decode()
+    request = urllib.request.Request(f"{url}/-/ready", headers={"Authorization": f"Basic {credentials}"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"prometheus exited with {process.returncode}:\n{log.read_text()[-2000:]}")
+        try:
+            with opener.open(request, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)  # a polling step, bounded by the deadline
+    raise AssertionError(f"timed out waiting for Prometheus to be ready:\n{log.read_text()[-2000:]}")
