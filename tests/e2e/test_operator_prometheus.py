@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -47,16 +45,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("prometheus is not installed (apt-get install prometheus); CI must run this test")
-        pytest.skip("prometheus is not installed (apt-get install prometheus)")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ failure, elsewhere a skip.
 from __future__ import annotations
 
 import base64
-import os
-import shutil
 import socket
 import ssl
 import subprocess
@@ -41,16 +39,6 @@ USERNAME, PASSWORD = "tandem", "correct horse battery staple"
 STARTUP_TIMEOUT_S = 60
 # One sample: read as the p95 in seconds, 200 ms against a 50 ms target.
 QUERY = "vector(0.2)"
-
-
-@pytest.fixture(scope="module")
-def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("prometheus is not installed (apt-get install prometheus); CI must run this test")
-        pytest.skip("prometheus is not installed (apt-get install prometheus)")
-    return path
 
 
 @pytest.fixture(scope="module")
