@@ -188,3 +188,14 @@ def test_masks_allow_exactly_the_matchers_tokens_and_leave_other_rows(engine):
     assert torch.equal(masked[1].isfinite(), allowed) and torch.equal(masked[1][allowed], logits[1][allowed])
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
     assert structured.mask_logits(logits, [None, None, None]) is logits
+
+
+def test_a_tokenizer_larger_than_the_logits_masks_the_logits_width(engine):
+    # (a tokenizer may hold tokens past the model's vocabulary; the masks are the tokenizer's width)
+    grammars = structured.Grammars(engine.tokenizer, 300, [2])
+    constraint = grammars.compile(StructuredOutputs(regex="[a-z]+"))
+    assert constraint.vocab_size == engine.tokenizer.get_vocab_size() > 300
+    logits = torch.randn(1, 300)
+    masked = structured.mask_logits(logits, [constraint])
+    allowed = torch.frombuffer(bytearray(constraint.matcher.compute_logit_bias()), dtype=torch.uint8)[:300] > 0
+    assert masked.shape == (1, 300) and torch.equal(masked[0].isfinite(), allowed)

@@ -37,6 +37,7 @@ class Constraint:
     at which the constraint was complete (`completed_at`) or the matcher failed (`failed_at`)."""
 
     matcher: object  # llguidance.LLMatcher
+    vocab_size: int  # its masks' width: the logits', or the tokenizer's where that has more tokens
     consumed: int = 0
     completed_at: int | None = None
     failed_at: int | None = None
@@ -91,7 +92,7 @@ class Grammars:
                 self._cache[grammar] = start
                 if len(self._cache) > CACHED_GRAMMARS:
                     self._cache.popitem(last=False)
-        return Constraint(start.deep_copy())
+        return Constraint(start.deep_copy(), self._vocab_size)
 
 
 def _grammar_text(constraint: StructuredOutputs) -> str:
@@ -134,7 +135,7 @@ def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> t
     if not rows:
         return logits
     vocab = logits.shape[1]
-    words = (vocab + 31) // 32
+    words = (max(constraints[i].vocab_size for i in rows) + 31) // 32
     bitmask = torch.zeros((len(rows), words), dtype=torch.int32)  # [R, W]: bit j of word w allows token 32w + j
     fill_next_token_bitmask_par(_executor(), [(constraints[i].matcher, r) for r, i in enumerate(rows)], bitmask)
     # Unpacked with torch ops rather than llguidance.torch's apply (a torch.compile'd kernel: a
