@@ -78,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="completions to generate, each sampled on its own (completion i with seed + i), printed "
                           "one by one labelled by index; with --json, one object a line (default 1)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--include-stop-str-in-output", action="store_true",
+                     help="end the text with the stop string that ended it, not before it")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="no end-of-sequence, stop token or stop string before this many tokens (default 0)")
+    gen.add_argument("--logit-bias", metavar="TOKEN=BIAS", action="append", default=[],
+                     help="add BIAS, in [-100, 100], to the logit of token id TOKEN (repeatable)")
+    gen.add_argument("--allowed-token-ids", metavar="IDS", help="sample only these comma-separated token ids")
+    gen.add_argument("--bad-word", action="append", default=[],
+                     help="a word never to generate, at the start of the text or after a space (repeatable)")
+    gen.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                     help="leave special tokens out of the text (default: yes)")
     structured = gen.add_mutually_exclusive_group()  # SamplingParams.structured_outputs: one constraint
     structured.add_argument("--json-schema", metavar="SCHEMA", help="the output is an instance of this JSON schema "
                             "(JSON text, or @FILE)")
@@ -201,6 +212,28 @@ def structured_from_args(args) -> dict | None:
     return None
 
 
+def processors_from_args(args) -> dict:
+    """The logits processors' and text's settings (--min-tokens, --logit-bias, --allowed-token-ids,
+    --bad-word, --include-stop-str-in-output, --skip-special-tokens) as SamplingParams' keywords."""
+    bias = {}
+    for item in args.logit_bias:
+        token, _, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UsageError(f"--logit-bias takes TOKEN=BIAS, e.g. 42=-5.5, got {item!r}") from None
+    allowed = None
+    if args.allowed_token_ids is not None:
+        try:
+            allowed = tuple(int(t) for t in args.allowed_token_ids.split(",") if t.strip())
+        except ValueError:
+            raise UsageError(f"--allowed-token-ids must be comma-separated integers, got "
+                             f"{args.allowed_token_ids!r}") from None
+    return dict(min_tokens=args.min_tokens, logit_bias=bias or None, allowed_token_ids=allowed,
+                bad_words=tuple(args.bad_word), include_stop_str_in_output=args.include_stop_str_in_output,
+                skip_special_tokens=args.skip_special_tokens)
+
+
 def sampling_from_args(args):
     from tandem.engine.sampling_params import InvalidRequest, SamplingParams, StructuredOutputs
 
@@ -211,7 +244,8 @@ def sampling_from_args(args):
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, seed=args.seed,
                               stop=tuple(args.stop), n=args.n,
-                              structured_outputs=StructuredOutputs(**structured) if structured else None)
+                              structured_outputs=StructuredOutputs(**structured) if structured else None,
+                              **processors_from_args(args))
     except InvalidRequest as e:
         raise UsageError(str(e)) from None
 

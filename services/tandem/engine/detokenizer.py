@@ -5,7 +5,9 @@ with the prompt's last tokens, so that tokenizers which strip a leading space at
 text keep it), so a token costs the same at the 10,000th output token as at the first; a delta
 never ends in half a UTF-8 character. While stop strings are set the last few characters are
 held back, so a stop string is never streamed before it is recognised; the text stops before the
-earliest occurrence of any of them and excludes it, as vLLM's does.
+earliest occurrence of any of them and excludes it, as vLLM's does (or ends with it, with
+include_stop_str_in_output, and nothing is held back). As in vLLM, a stop string counts only when
+it ends in the text of a token after the first min_tokens.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ WINDOW = CONTEXT_TOKENS + MAX_CHARACTER_TOKENS  # the last tokens a stream is st
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...]):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...], *, min_tokens: int = 0,
+                 include_stop: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.stop, self.min_tokens, self.include_stop = stop, min_tokens, include_stop
+        self.skip_special_tokens = skip_special_tokens
+        self.hold = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
         self.text = ""  # all output text decoded so far (before stop truncation)
         self.emitted = 0  # characters already streamed
@@ -40,36 +44,41 @@ class IncrementalDetokenizer:
             else:
                 self._undecoded.clear()
                 self.text += chunk
+            if len(self.ids) <= self.min_tokens:
+                start = len(self.text)
         # A stop string found now ends in the new text: search only from where it could begin.
-        hits = [at for s in self.stop if (at := self.text.find(s, max(0, start - len(s) + 1))) != -1]
+        hits = [(at, s) for s in self.stop if (at := self.text.find(s, max(0, start - len(s) + 1))) != -1]
         if hits:
-            return self._emit(min(hits)), True
+            at, s = min(hits, key=lambda hit: hit[0])
+            return self._emit(at + len(s) if self.include_stop else at), True
         return self._emit(max(self.emitted, len(self.text) - self.hold)), False
 
     def flush(self) -> str:
         """The held-back tail, when the request finishes for another reason: with the last tokens'
         bytes as the whole output's decode gives them, when they end in half a character."""
         if self._undecoded:
-            self.text += self.tokenizer.decode(self._undecoded, skip_special_tokens=True)
+            self.text += self.tokenizer.decode(self._undecoded, skip_special_tokens=self.skip_special_tokens)
             self._undecoded.clear()
         return self._emit(len(self.text))
 
     def _new_stream(self) -> DecodeStream:
         """A stream that goes on from the last tokens so far: the prompt's, then the output's."""
-        context, partial = _context(self.tokenizer, (self._prompt_tail + self.ids[-WINDOW:])[-WINDOW:])
-        stream = DecodeStream(ids=context, skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        context, partial = _context(self.tokenizer, (self._prompt_tail + self.ids[-WINDOW:])[-WINDOW:], skip)
+        stream = DecodeStream(ids=context, skip_special_tokens=skip)
         if partial:  # it ends inside a character: the text to come begins with the character
             try:
                 stream.step(self.tokenizer, partial)
             except Exception:  # noqa: BLE001 - as in _step; then the character's first bytes are left out
-                stream = DecodeStream(ids=context, skip_special_tokens=True)
+                stream = DecodeStream(ids=context, skip_special_tokens=skip)
         return stream
 
     def _step(self, token: int) -> str | None:
         # Byte-fallback tokens of invalid UTF-8 can decode differently as more arrive, which a
         # DecodeStream refuses (vllm-project/vllm#17448): go on with a new one from here, and if
         # that refuses the token too, with one that has no context.
-        for renew in (lambda: self._stream, self._new_stream, lambda: DecodeStream(skip_special_tokens=True)):
+        for renew in (lambda: self._stream, self._new_stream,
+                      lambda: DecodeStream(skip_special_tokens=self.skip_special_tokens)):
             self._stream = renew()
             try:
                 return self._stream.step(self.tokenizer, token)
@@ -85,7 +94,7 @@ class IncrementalDetokenizer:
         return delta
 
 
-def _context(tokenizer, tail: list[int]) -> tuple[list[int], list[int]]:
+def _context(tokenizer, tail: list[int], skip_special_tokens: bool) -> tuple[list[int], list[int]]:
     """The last tokens before the stream split into (context, partial): the context begins and
     ends where characters do (a stream seeded with half a character would stream its context again,
     and a byte-fallback decoder turns every byte of a run that begins inside a character into
@@ -93,7 +102,7 @@ def _context(tokenizer, tail: list[int]) -> tuple[list[int], list[int]]:
     tokens end inside one. Without such a context (invalid UTF-8) the context only ends cleanly,
     or the stream gets none."""
     def text(ids):
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     cuts = range(min(MAX_CHARACTER_TOKENS, len(tail)) + 1)
     for n in cuts:

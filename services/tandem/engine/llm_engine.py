@@ -17,6 +17,7 @@ from tandem.engine import cuda_graph
 from tandem.engine.chat import ChatMessage, ChatTemplate
 from tandem.engine.config import EngineConfig, EngineStats, context_length
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.logits_processors import bad_words_token_ids, check_token_ids
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampling_params import (DuplicateRequest, InvalidRequest, RequestOutput, SamplingParams,
                                            TokenLogprobs)
@@ -187,23 +188,30 @@ class LLMEngine:
         once (see tandem.engine.scheduler). Raises InvalidRequest for bad input, QueueFull when the
         waiting queue is full."""
         self._validate(request_id, prompt_token_ids, params)
-        completions = [self._completion(request_id, i, prompt_token_ids, params) for i in range(params.n)]
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, self.model_config.vocab_size) \
+            if params.bad_words else None
+        completions = [self._completion(request_id, i, prompt_token_ids, params, bad_words) for i in range(params.n)]
         seqs = [c.seq for c in completions]
         self.scheduler.add(seqs[0], seqs[1:])  # last: whatever raises before it leaves nothing queued
         self.requests[request_id] = _Request(completions)
         self._completions.update((c.seq.request_id, c) for c in completions)
 
-    def _completion(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> _Completion:
-        """Completion `index` of a request: its sequence, with a structured output's matcher of its own,
-        its generator (seeded with seed + index) and its detokenizer."""
+    def _completion(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
+                    bad_words: list[list[int]] | None) -> _Completion:
+        """Completion `index` of a request: its sequence, with a structured output's matcher of its own
+        and the bad words' token sequences, its generator (seeded with seed + index) and its detokenizer."""
         if index > 0:  # the prompt is scored once, by completion 0
             params = replace(params, prompt_logprobs=None)
         seq = Sequence(sequence_id(request_id, index, params.n), list(prompt), params,
-                       constraint=self.compile_constraint(params))
+                       constraint=self.compile_constraint(params), bad_words_token_ids=bad_words)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(completion_seed(params.seed, index))
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop) if self.tokenizer else None
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, params.stop, min_tokens=params.min_tokens,
+                include_stop=params.include_stop_str_in_output, skip_special_tokens=params.skip_special_tokens)
         return _Completion(request_id, index, seq, generator, detok)
 
     def _validate(self, request_id, prompt, params: SamplingParams) -> None:
@@ -226,8 +234,10 @@ class LLMEngine:
             raise InvalidRequest(
                 "max_tokens", f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length {self.max_model_len}")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequest("stop", "stop strings need a tokenizer; this model has none")
+        for name, what in (("stop", "stop strings"), ("bad_words", "bad words")):
+            if getattr(params, name) and self.tokenizer is None:
+                raise InvalidRequest(name, f"{what} need a tokenizer; this model has none")
+        check_token_ids(params, vocab)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Cancel a request: every completion of it still unfinished, whose KV blocks are freed at once.

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from tandem.engine import structured
 from tandem.engine.cuda_graph import DecodeGraphs
+from tandem.engine.logits_processors import LogitsProcessors
 from tandem.engine.sampler import Penalties, Sampler
 from tandem.experts.base import ExpertsUnavailable
 from tandem.kv.attention import AttentionMetadata, DecodeSteps
@@ -102,7 +104,7 @@ class ModelRunner:
         seqs = [s.seq for s in scheduled]
         rids = [s.request_id for s in seqs]
         gens = [generators.get(r) for r in rids]
-        penalties = None  # the tokens the penalized sequences have seen, built at the first step
+        history = None  # what sampling carries from step to step, built at the first step
         tables = [s.block_table for s in scheduled]
         starts = [s.start_pos for s in scheduled]
         run = DecodeSteps.build(starts, tables, steps, self.cache.block_size, self.sliding_window)
@@ -121,9 +123,8 @@ class ModelRunner:
                         step = StepAttention(meta, None, len(rids), self.cpu_attention)
                         hidden = self.model(ids, meta.query_pos.view(-1), self.cache, step,
                                             max_position=max(starts) + i)
-                    tokens[:, i], penalties = self._sample(hidden, seqs, gens, penalties)  # [B]
-                    if penalties is not None:
-                        penalties.add(tokens[:, i])
+                    tokens[:, i], history = self._sample(hidden, seqs, gens, history)  # [B]
+                    history.add(tokens[:, i])
                     if on_step is not None and not on_step(i, tokens[:, i].tolist()):
                         break
                     # A sequence that got NO_TOKEN is finished with "error" (its later tokens dropped);
@@ -138,21 +139,24 @@ class ModelRunner:
         return dict(zip(rids, tokens[:, :done].tolist()))
 
     def _sample(self, hidden: torch.Tensor, seqs, generators,
-                penalties: Penalties | None = None) -> tuple[torch.Tensor, Penalties | None]:
+                history: SamplingHistory | None = None) -> tuple[torch.Tensor, SamplingHistory]:
         """hidden [B, H] of the positions sampled from, one per sequence -> (token ids [B] long, the
-        penalized sequences' seen tokens: given, or built here from the sequences). A sequence that
-        asked for logprobs gets this token's appended to its `logprobs` (of the raw logits); one with a
+        sequences' sampling history: given, or built here from the sequences). A sequence that asked
+        for logprobs gets this token's appended to its `logprobs` (of the raw logits); one with a
         structured output samples among the tokens its matcher allows, and the token advances it."""
         logits = self.model.compute_logits(hidden)  # [B, V]
         if self.logits_hook is not None:
             for seq, row in zip(seqs, logits):
                 self.logits_hook(seq.request_id, row)
-        if penalties is None:
-            penalties = Penalties.of(seqs, logits.device)
+        if history is None:
+            history = SamplingHistory(Penalties.of(seqs, logits.device), LogitsProcessors.of(
+                seqs, self.model.cfg.eos_token_ids, logits.shape[1], logits.device))
         constraints = [s.constraint for s in seqs]
         constrained = any(c is not None for c in constraints)
         masked = structured.mask_logits(logits, constraints) if constrained else logits  # [B, V]
-        tokens = self.sampler.sample(masked, [s.params for s in seqs], generators, penalties)
+        if history.processors is not None:
+            masked = history.processors.apply(masked)  # [B, V]
+        tokens = self.sampler.sample(masked, [s.params for s in seqs], generators, history.penalties)
         if constrained:
             structured.advance(constraints, tokens.tolist())
         wanted = [s.params.logprobs for s in seqs]
@@ -160,7 +164,7 @@ class ModelRunner:
             for seq, entry in zip(seqs, self.sampler.logprobs(logits, tokens, wanted)):
                 if entry is not None:
                     seq.logprobs.append(entry)
-        return tokens, penalties
+        return tokens, history
 
     def _score_prompts(self, scheduled, hidden: torch.Tensor) -> None:
         """Prompt logprobs (Sequence.prompt_logprobs) of the requests that asked for them: each chunk
@@ -188,8 +192,8 @@ class ModelRunner:
                 seq.prompt_logprobs.append(entry)
 
     def _greedy_decode(self, scheduled) -> bool:
-        """A decode step of device-tier sequences that all take the argmax of the raw logits (greedy, no
-        penalty, no logprobs), nothing watching the logits: the model may run its steps without
+        """A decode step of device-tier sequences that all take the argmax of the raw logits
+        (Sampler.argmax_only), nothing watching the logits: the model may run its steps without
         returning to Python (`CausalLM.greedy_steps`)."""
         return self.logits_hook is None and all(
             s.tier == DEVICE and s.sample and len(s.token_ids) == 1 and self.sampler.argmax_only(s.seq.params)
@@ -211,3 +215,18 @@ class ModelRunner:
             cpu = CpuBatch.build(*args(on_cpu), self.cache.block_size, self.sliding_window)
         num_device_tokens = sum(len(s.token_ids) for s in on_device)
         return StepAttention(device, cpu, num_device_tokens, self.cpu_attention)
+
+
+@dataclass
+class SamplingHistory:
+    """What sampling a batch carries from step to step of a multi-step decode, built from its sequences
+    at the first step: the tokens its penalized rows have seen, and its logits processors' state."""
+
+    penalties: Penalties | None
+    processors: LogitsProcessors | None
+
+    def add(self, tokens: torch.Tensor) -> None:
+        """A step's tokens [B] join the outputs they were sampled for."""
+        for part in (self.penalties, self.processors):
+            if part is not None:
+                part.add(tokens)

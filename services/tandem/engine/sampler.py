@@ -1,13 +1,15 @@
 """Next-token sampling: penalties, greedy, temperature, min-p, top-k, top-p, per-request seeds,
 and the log-probabilities requests ask for.
 
-In vLLM's order: the repetition, presence and frequency penalties change the logits (greedy
-sampling included), then temperature scales them, then min-p, top-k and top-p cut. The masking
+In vLLM's order, after the logits processors (tandem.engine.logits_processors): the repetition,
+presence and frequency penalties change the logits (greedy sampling included), then temperature
+scales them, then min-p, top-k and top-p cut. The masking
 is vectorised over the batch; only the random draw of a seeded row is its own, from the row's
 generator, so a seeded request gets the same tokens whatever else shares its batch.
 The draw is the exponential race (argmax of p / q with q ~ Exp(1)), which samples from p exactly.
 A row whose logits hold a NaN or +inf, or no finite value, gets NO_TOKEN rather than a token
-that looks real: the model went wrong for that sequence (the scheduler finishes it with "error").
+that looks real: the model went wrong for that sequence, or its masks (structured output, logits
+processors) left no token (the scheduler finishes it with "error").
 """
 
 from __future__ import annotations
@@ -58,9 +60,9 @@ class Sampler:
     @staticmethod
     def argmax_only(params: SamplingParams) -> bool:
         """Whether the token is the argmax of the raw logits and nothing else is asked of them (no
-        penalty, no logprobs, no structured output): what a fused greedy decode (CausalLM.greedy_steps)
-        computes."""
-        return (params.greedy and not params.penalized and params.logprobs is None
+        penalty, no logits processor, no logprobs, no structured output): what a fused greedy decode
+        (CausalLM.greedy_steps) computes."""
+        return (params.greedy and not params.penalized and not params.processes_logits and params.logprobs is None
                 and params.structured_outputs is None)
 
     @staticmethod

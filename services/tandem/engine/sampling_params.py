@@ -18,7 +18,7 @@ class InvalidRequest(ValueError):
 DEFAULT_MAX_TOKENS = 16
 
 # The token sampled for a sequence whose logits hold a NaN or +inf, or nothing finite: the model went
-# wrong for it, and the scheduler finishes it with "error" (tandem.engine.sampler).
+# wrong for it, or its masks blocked every token; the scheduler finishes it with "error" (tandem.engine.sampler).
 NO_TOKEN = -1
 
 # A temperature below this samples greedily: dividing by it would overflow float32 (vLLM's _SAMPLING_EPS).
@@ -29,6 +29,9 @@ MAX_LOGPROBS = 20
 
 # The most completions one request may ask for (SamplingParams.n).
 MAX_N = 16
+
+# The largest logit bias either way (OpenAI's and vLLM's range).
+MAX_LOGIT_BIAS = 100
 
 
 class DuplicateRequest(InvalidRequest):
@@ -110,9 +113,24 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logits processors, applied before the penalties in vLLM's order: allowed_token_ids, bad_words,
+    # min_tokens, logit_bias (tandem.engine.logits_processors). Token ids must be in the vocabulary.
+    # Before min_tokens output tokens, EOS (ignore_eos or not, as vLLM) and stop_token_ids cannot be
+    # sampled, and stop strings are not looked for: one counts only when it ends in the text of a later
+    # token (vLLM's). At most max_tokens.
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled; None: any
+    # Strings never generated: each (left-stripped) is tokenized as it is, and after a space where that
+    # gives as many tokens and another first one (vLLM's rule); a token sequence's last token is
+    # blocked right after the output's last tokens are the ones before it. Needs a tokenizer.
+    bad_words: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it
+    skip_special_tokens: bool = True  # leave special tokens (e.g. </s>) out of the text
 
     def __post_init__(self):
         self._check_kinds()
+        self._check_processors()
         # One string is one stop string (as vLLM takes it), not a tuple of its characters.
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -167,8 +185,29 @@ class SamplingParams:
             raise InvalidRequest("stop", f"must be a string or a list of strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidRequest("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequest("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(name, f"must be true or false, got {getattr(self, name)!r}")
+
+    def _check_processors(self) -> None:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidRequest("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise InvalidRequest("allowed_token_ids", f"must be a non-empty list of token ids, "
+                                     f"got {self.allowed_token_ids!r}")
+            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise InvalidRequest("allowed_token_ids", f"must be token ids >= 0, got {self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        # One string is one word, as one stop string is.
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w.lstrip() for w in words):
+            raise InvalidRequest("bad_words", f"must be strings with more than spaces, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(words))
 
     @property
     def greedy(self) -> bool:
@@ -179,6 +218,11 @@ class SamplingParams:
         """Whether the logits are changed by the tokens seen so far (so even greedy depends on them)."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a logits processor changes the logits (min_tokens, logit_bias, allowed_token_ids, bad_words)."""
+        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
+
     def within(self, room: int) -> SamplingParams:
         """These params with max_tokens resolved for a prompt that leaves `room` tokens of context."""
         return self if self.max_tokens is not None else replace(self, max_tokens=min(DEFAULT_MAX_TOKENS, room))
@@ -186,6 +230,21 @@ class SamplingParams:
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _checked_logit_bias(value) -> dict[int, float] | None:
+    """A logit_bias as {token id: float bias}, None when empty; InvalidRequest naming it otherwise."""
+    if not isinstance(value, dict):
+        raise InvalidRequest("logit_bias", f"must map token ids to biases, got {value!r}")
+    # JSON's keys are strings: "50256" is token 50256 (vLLM takes int(key) too)
+    bias = {int(t) if isinstance(t, str) and t.isdecimal() else t: b for t, b in value.items()}
+    if any(not _is_int(t) or t < 0 for t in bias):
+        raise InvalidRequest("logit_bias", f"keys must be token ids >= 0, got {list(value)!r}")
+    bad = next((b for b in bias.values() if isinstance(b, bool) or not isinstance(b, numbers.Real)
+                or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS), None)
+    if bad is not None:
+        raise InvalidRequest("logit_bias", f"biases must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bad!r}")
+    return {int(t): float(b) for t, b in bias.items()} or None
 
 
 @dataclass(frozen=True)

@@ -401,8 +401,9 @@ class Scheduler:
                 # KV computed: the chunk's tokens, then each earlier token of this step fed back
                 seq.num_computed_tokens = work.start_pos + len(work.token_ids) + i
                 if token == NO_TOKEN:
-                    log.error("request %s: its logits held a NaN or an infinity after %d tokens; finishing it "
-                              "with reason 'error'", seq.request_id, seq.num_output_tokens)
+                    log.error("request %s: its logits held a NaN or an infinity, or its logits processors and "
+                              "structured output left no token, after %d tokens; finishing it with reason 'error'",
+                              seq.request_id, seq.num_output_tokens)
                     reason, stop_reason = "error", None
                     break
                 seq.output_token_ids.append(token)

@@ -47,6 +47,9 @@ class Sequence:
     # With params.structured_outputs set: its matcher (tandem.engine.structured.Constraint), which the
     # model runner masks the logits with and advances as it samples.
     constraint: object | None = None
+    # With params.bad_words set: the token sequences they ban, tokenized by the engine
+    # (tandem.engine.logits_processors.bad_words_token_ids).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -25,14 +25,16 @@ def sampling_params_from_proto(msg: inference_pb2.SamplingParams) -> SamplingPar
     """Unset fields keep SamplingParams' defaults; bad values raise InvalidRequest naming the field."""
     kwargs = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "n"):
+                 "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "n", "min_tokens", "skip_special_tokens"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(
         **kwargs, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos)
+        ignore_eos=msg.ignore_eos, logit_bias=dict(msg.logit_bias) or None,
+        allowed_token_ids=tuple(msg.allowed_token_ids) or None, bad_words=tuple(msg.bad_words),
+        include_stop_str_in_output=msg.include_stop_str_in_output)
 
 
 def structured_outputs_from_proto(msg: inference_pb2.StructuredOutputs) -> StructuredOutputs:

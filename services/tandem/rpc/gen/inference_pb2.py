@@ -25,39 +25,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/inference.proto\x12\ttandem.v1\"\xda\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x0e\n\x01n\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\x8c\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x84\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12(\n\x08messages\x18\x05 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x07 \x01(\x08\x42\x18\n\x16_add_generation_prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\r\n\x05index\x18\x08 \x01(\r\"R\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xe5\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\x12\x0c\n\x04role\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x32\xdd\x01\n\tInference\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/inference.proto\x12\ttandem.v1\"\xfe\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x0e\n\x01n\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x11 \x01(\x05H\x0c\x88\x01\x01\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\r\x12\x11\n\tbad_words\x18\x14 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens\"\x8c\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x84\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12(\n\x08messages\x18\x05 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x07 \x01(\x08\x42\x18\n\x16_add_generation_prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\r\n\x05index\x18\x08 \x01(\r\"R\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xe5\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\x12\x0c\n\x04role\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x32\xdd\x01\n\tInference\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=41
-  _globals['_SAMPLINGPARAMS']._serialized_end=643
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=646
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=786
-  _globals['_CHOICES']._serialized_start=788
-  _globals['_CHOICES']._serialized_end=813
-  _globals['_GENERATEREQUEST']._serialized_start=816
-  _globals['_GENERATEREQUEST']._serialized_end=1076
-  _globals['_CHATMESSAGE']._serialized_start=1078
-  _globals['_CHATMESSAGE']._serialized_end=1122
-  _globals['_USAGE']._serialized_start=1124
-  _globals['_USAGE']._serialized_end=1204
-  _globals['_GENERATERESPONSE']._serialized_start=1207
-  _globals['_GENERATERESPONSE']._serialized_end=1444
-  _globals['_TOKENLOGPROBS']._serialized_start=1446
-  _globals['_TOKENLOGPROBS']._serialized_end=1528
-  _globals['_TOPLOGPROB']._serialized_start=1530
-  _globals['_TOPLOGPROB']._serialized_end=1577
-  _globals['_TOKENIZEREQUEST']._serialized_start=1579
-  _globals['_TOKENIZEREQUEST']._serialized_end=1610
-  _globals['_TOKENIZERESPONSE']._serialized_start=1612
-  _globals['_TOKENIZERESPONSE']._serialized_end=1649
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1651
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1672
-  _globals['_MODELINFO']._serialized_start=1675
-  _globals['_MODELINFO']._serialized_end=1904
-  _globals['_INFERENCE']._serialized_start=1907
-  _globals['_INFERENCE']._serialized_end=2128
+  _globals['_SAMPLINGPARAMS']._serialized_end=935
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=673
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=721
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=938
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1078
+  _globals['_CHOICES']._serialized_start=1080
+  _globals['_CHOICES']._serialized_end=1105
+  _globals['_GENERATEREQUEST']._serialized_start=1108
+  _globals['_GENERATEREQUEST']._serialized_end=1368
+  _globals['_CHATMESSAGE']._serialized_start=1370
+  _globals['_CHATMESSAGE']._serialized_end=1414
+  _globals['_USAGE']._serialized_start=1416
+  _globals['_USAGE']._serialized_end=1496
+  _globals['_GENERATERESPONSE']._serialized_start=1499
+  _globals['_GENERATERESPONSE']._serialized_end=1736
+  _globals['_TOKENLOGPROBS']._serialized_start=1738
+  _globals['_TOKENLOGPROBS']._serialized_end=1820
+  _globals['_TOPLOGPROB']._serialized_start=1822
+  _globals['_TOPLOGPROB']._serialized_end=1869
+  _globals['_TOKENIZEREQUEST']._serialized_start=1871
+  _globals['_TOKENIZEREQUEST']._serialized_end=1902
+  _globals['_TOKENIZERESPONSE']._serialized_start=1904
+  _globals['_TOKENIZERESPONSE']._serialized_end=1941
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1943
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1964
+  _globals['_MODELINFO']._serialized_start=1967
+  _globals['_MODELINFO']._serialized_end=2196
+  _globals['_INFERENCE']._serialized_start=2199
+  _globals['_INFERENCE']._serialized_end=2420
 # @@protoc_insertion_point(module_scope)
