@@ -2,12 +2,14 @@
 
     python benchmarks/decode_attention.py [--contexts 64,512,4096] [--heads 32] [--kv-heads 8] [--head-dim 128]
                                           [--value-dim D] [--threads 1,2] [--batch 1] [--cold] [--rounds 7]
-                                          [--json out.json]
+                                          [--kv-dtypes float32,bfloat16,fp8] [--json out.json]
     # DeepSeek-V3's latent cache: 128 absorbed query heads on one 576-wide entry, value its first 512
     python benchmarks/decode_attention.py --heads 128 --kv-heads 1 --head-dim 576 --value-dim 512
 
-One decode query per sequence over a shuffled block table (block size 16), float32, as an
-offloaded long-context sequence meets it on the CPU tier. `torch` is `sdpa_paged_attention`
+One decode query per sequence over a shuffled block table (block size 16), float32 by default, as an
+offloaded long-context sequence meets it on the CPU tier. --kv-dtypes times the caches in each of
+the dtypes given, in one run: float32, bfloat16 (a bfloat16 query) and fp8 (`--kv-cache-dtype fp8`:
+e4m3 blocks with scales, a float32 query, as the native decode layer sends it). `torch` is `sdpa_paged_attention`
 (gather the blocks into a contiguous copy, then SDPA, or two batched GEMMs when all query heads
 share one KV head); `native` is torch.ops.tandem.paged_decode_attention (reads K and V in
 place). `paged_attention` picks native up to 16 query heads per KV head. Also prints the KV bytes
@@ -69,6 +71,8 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="KV from RAM: every call reads other blocks")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--kv-dtypes", help="KV cache dtypes, comma-separated, from float32, bfloat16, fp8 "
+                                        "(default: float32 on the CPU, bfloat16 on CUDA)")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.device == "cuda":
@@ -77,43 +81,60 @@ def main() -> None:
         kernel = native_decode_attention()
         if kernel is None:
             raise SystemExit("the native kernel is not built (python -m tandem.experts.build)")
+    names = (args.kv_dtypes or ("bfloat16" if args.device == "cuda" else "float32")).split(",")
+    unknown = set(names) - set(KV_DTYPES)
+    if unknown:
+        raise SystemExit(f"--kv-dtypes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(KV_DTYPES)}")
     rows = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for ctx in (int(c) for c in args.contexts.split(",")):
-            rows.append(measure(kernel, ctx, threads, args))
+            for name in names:
+                rows.append(measure(kernel, ctx, threads, name, args))
     print(f"load average {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 
 
-def measure(kernel, ctx: int, threads: int, args) -> dict:
+# cache dtype, query dtype
+KV_DTYPES = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.bfloat16),
+             "fp8": (torch.float8_e4m3fn, torch.float32)}
+FP8_SCALES = (0.5, 2.0)  # k_scale, v_scale: not 1, so the folded scales cost what they cost
+
+
+def measure(kernel, ctx: int, threads: int, kv_dtype: str, args) -> dict:
     per_seq = -(-ctx // BS)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype, q_dtype = KV_DTYPES[kv_dtype]
+    if device.type == "cuda" and q_dtype == torch.float32:
+        q_dtype = torch.bfloat16  # as served there
+    scales = FP8_SCALES if dtype == torch.float8_e4m3fn else (1.0, 1.0)
     kv_bytes = (1 if args.value_dim else 2) * args.batch * ctx * args.kv_heads * args.head_dim * dtype.itemsize
     sets = min(256, -(-512_000_000 // kv_bytes)) if args.cold else 1  # sets of sequences, one a call
     blocks = per_seq * args.batch * sets
     perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()
-    k = torch.randn(blocks, BS, args.kv_heads, args.head_dim, dtype=dtype, device=device)
+    k = torch.randn(blocks, BS, args.kv_heads, args.head_dim, device=device).to(dtype)
     v = (k[..., :args.value_dim] if args.value_dim
-         else torch.randn(blocks, BS, args.kv_heads, args.head_dim, dtype=dtype, device=device))
-    q = torch.randn(args.batch, args.heads, args.head_dim, dtype=dtype, device=device)
+         else torch.randn(blocks, BS, args.kv_heads, args.head_dim, device=device).to(dtype))
+    q = torch.randn(args.batch, args.heads, args.head_dim, dtype=q_dtype, device=device)
     metas = []
     for s in range(sets):
         tables = [perm[(s * args.batch + i) * per_seq:(s * args.batch + i + 1) * per_seq] for i in range(args.batch)]
         metas.append(AttentionMetadata.build([ctx - 1] * args.batch, [1] * args.batch, tables, BS, device))
     reps = max(sets, 5, 20000 // ctx)
     t_torch, t_native = timed([
-        lambda i: sdpa_paged_attention(q, k, v, metas[i % sets], 0.1),
-        lambda i: kernel(q, k, v, metas[i % sets].block_tables, metas[i % sets].seq_lens, 0.1, 0),
+        lambda i: sdpa_paged_attention(q, k, v, metas[i % sets], 0.1, *scales),
+        lambda i: kernel(q, k, v, metas[i % sets].block_tables, metas[i % sets].seq_lens, 0.1, 0,
+                         k_scale=scales[0], v_scale=scales[1]),
     ], reps, args.rounds, torch.cuda.synchronize if device.type == "cuda" else lambda: None)
-    row = {"context": ctx, "threads": threads, "device": args.device, "cold": args.cold, "torch_us": t_torch * 1e6,
+    row = {"context": ctx, "threads": threads, "kv_dtype": kv_dtype, "device": args.device, "cold": args.cold,
+           "torch_us": t_torch * 1e6,
            "native_us": t_native * 1e6, "speedup": t_torch / t_native, "kv_mb": kv_bytes / 1e6,
            "native_gb_s": kv_bytes / t_native / 1e9,
            "native_ns_per_head_token": t_native * 1e9 / (args.batch * args.heads * ctx)}
-    print(f"threads {threads} context {ctx:6d}: torch {row['torch_us']:9.0f} us  native {row['native_us']:8.1f} us  "
+    print(f"threads {threads} context {ctx:6d} {kv_dtype:>8}: torch {row['torch_us']:9.0f} us  "
+          f"native {row['native_us']:8.1f} us  "
           f"{row['speedup']:.1f}x  ({row['kv_mb']:.1f} MB of KV, {row['native_gb_s']:.1f} GB/s, "
           f"{row['native_ns_per_head_token']:.2f} ns per head and token)")
     return row

@@ -60,6 +60,8 @@ def build_attention_container(spec: HybridModelSpec) -> dict:
         FLAGS["cpu_decode"] if spec.kvCache.cpuDecode else FLAGS["no_cpu_decode"],
         *_spin_args(spec),
         *_unless_default("num_scheduler_steps", spec.attention.numSchedulerSteps, 1),
+        # the attention process writes the KV and publishes the CPU tier's dtype to the experts process
+        *_unless_default("kv_cache_dtype", spec.kvCache.dtype, "auto"),
     ]
     resources = {"cpu": str(spec.attention.cpus), "memory": spec.attention.memory,
                  "nvidia.com/gpu": str(spec.attention.gpus)}
@@ -150,7 +152,7 @@ def _spin_args(spec: HybridModelSpec) -> list[str]:
     return _unless_default("spin_us", spec.experts.spinMicroseconds, 0)
 
 
-def _unless_default(flag: str, value: int, default: int) -> list[str]:
+def _unless_default(flag: str, value: int | str, default: int | str) -> list[str]:
     # Only when not the default: a new flag in every pod template would roll every HybridModel's
     # pods on an operator upgrade.
     return [FLAGS[flag], str(value)] if value != default else []

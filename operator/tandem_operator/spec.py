@@ -30,6 +30,7 @@ _GGUF_PATH = re.compile(r"^([A-Za-z0-9_@+=,-][A-Za-z0-9._@+=,-]*/)*[A-Za-z0-9_@+
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 NAME_MAX_LENGTH = 63
 DTYPES = ("bfloat16", "float32")  # what `tandem serve --dtype` accepts
+KV_CACHE_DTYPES = ("auto", "fp8")  # what the CRD takes of `tandem serve --kv-cache-dtype`'s values
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 METRICS_SOURCES = ("Pods", "Prometheus")
 
@@ -75,6 +76,7 @@ class KVCacheSpec:
     gpuMemoryFraction: float = 0.9
     cpuTierGiB: int = 8
     cpuDecode: bool = True
+    dtype: str = "auto"  # the cache's dtype in both tiers: auto (the model's) or fp8 (e4m3: twice the tokens)
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,7 @@ def _kv_cache(raw: Mapping) -> KVCacheSpec:
         gpuMemoryFraction=float(fraction),
         cpuTierGiB=_int(raw, "cpuTierGiB", "spec.kvCache", 8, minimum=0),
         cpuDecode=_bool(raw, "cpuDecode", "spec.kvCache", True),
+        dtype=_choice(raw, "dtype", "spec.kvCache", "auto", KV_CACHE_DTYPES),
     )
 
 

@@ -129,6 +129,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
                             "--model"),
         add_dense_quant_arg(p),
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)"),
+        add_kv_cache_dtype_arg(p),
         p.add_argument("--max-model-len", type=int,
                        help="longest prompt plus generation (default: the model's context, at most 8192)"),
         p.add_argument("--enforce-eager", action="store_true",
@@ -145,6 +146,15 @@ def add_page_lock_arg(p: argparse.ArgumentParser) -> argparse.Action:
     return p.add_argument("--no-page-lock-experts", dest="page_lock_experts", action="store_false",
                           help="CUDA: leave the routed experts' host memory pageable; by default it is page-locked, "
                                "so large prefill chunks copy the experts to the GPU at full speed")
+
+
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> argparse.Action:
+    from tandem import contract
+
+    return p.add_argument(contract.SERVE_FLAGS["kv_cache_dtype"], choices=contract.KV_CACHE_DTYPES, default="auto",
+                          help="the KV cache's dtype, both tiers: auto, the model's (default); fp8 (fp8_e4m3), "
+                               "float8 e4m3 with the checkpoint's calibrated KV scales or 1.0: half a bfloat16 "
+                               "cache's bytes, twice the tokens in the same memory")
 
 
 def add_dense_quant_arg(p: argparse.ArgumentParser) -> argparse.Action:
@@ -276,7 +286,8 @@ def build_engine(args):
     from tandem.model.config import ModelError
 
     try:
-        config = EngineConfig(block_size=args.block_size, max_model_len=args.max_model_len,
+        config = EngineConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                              max_model_len=args.max_model_len,
                               enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
                               page_lock_experts=args.page_lock_experts)
         return LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config,

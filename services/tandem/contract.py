@@ -78,8 +78,12 @@ SERVE_FLAGS = {
     "no_cpu_decode": "--no-cpu-decode",
     "spin_us": "--spin-us",  # rendered only when spec.experts.spinMicroseconds is set
     "num_scheduler_steps": "--num-scheduler-steps",  # rendered only when spec.attention.numSchedulerSteps != 1
+    # the KV cache's dtype, both tiers (vLLM's flag); rendered only when spec.kvCache.dtype != auto
+    "kv_cache_dtype": "--kv-cache-dtype",
 }
 EXPERT_QUANTS = ("none", "int8", "int4")
+# --kv-cache-dtype: "auto" (the model's dtype) or float8 e4m3, named "fp8" or, as vLLM also names it, "fp8_e4m3"
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 # The experts role shares its pod's network namespace with the attention role, so its own
 # metrics endpoint needs a port of its own.

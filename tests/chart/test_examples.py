@@ -93,6 +93,7 @@ BAD_SPECS = {
     "zero gpus": ("spec.attention.gpus", 0),
     "zero scheduler steps": ("spec.attention.numSchedulerSteps", 0),
     "scheduler steps above 64": ("spec.attention.numSchedulerSteps", 65),
+    "unknown kv cache dtype": ("spec.kvCache.dtype", "int8"),
     "bad memory quantity": ("spec.experts.memory", "lots"),
     "unknown quantization": ("spec.experts.quantization", "int3"),
     "empty gguf": ("spec.experts.gguf", ""),

@@ -155,7 +155,11 @@ def test_scales_and_activation_scales_belong_to_their_weights():
     ({**compressed_tensors_config("group")}, r"fp8 weight strategy 'group' is not supported"),
     ({**compressed_tensors_config("tensor"), "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "float", "symmetric": False, "strategy": "tensor"}}}}, "asymmetric"),
-    ({**compressed_tensors_config("tensor"), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({**compressed_tensors_config("tensor"), "kv_cache_scheme": {"num_bits": 8, "type": "int"}},
+     r"kv_cache_scheme of int 8-bit numbers, strategy 'tensor' is not supported"),
+    ({**compressed_tensors_config("tensor"), "kv_cache_scheme": {"num_bits": 8, "type": "float",
+                                                                 "strategy": "attn_head"}},
+     r"kv_cache_scheme of float 8-bit numbers, strategy 'attn_head' is not supported"),
     ({**compressed_tensors_config("block")}, r"block_structure must be two positive integers"),
     ({"quant_method": "awq", "bits": 4}, r"quantization method 'awq' is not supported"),
     ({"quant_method": "fp8", "activation_scheme": "per-token"}, r"activation_scheme 'per-token'"),

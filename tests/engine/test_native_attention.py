@@ -119,3 +119,74 @@ def test_bad_shapes_are_refused_with_a_message(kernel):
         kernel(torch.randn(1, 4, 16), k, k, meta.block_tables, meta.seq_lens, 1.0, 0)
     with pytest.raises(RuntimeError, match="must share a dtype"):
         kernel(torch.randn(1, 3, 16, dtype=torch.bfloat16), k, k, meta.block_tables, meta.seq_lens, 1.0, 0)
+
+
+# fp8 caches (--kv-cache-dtype fp8): e4m3 blocks converted to float as bf16 ones are, K / k_scale and
+# V / v_scale stored, the scales folded into the query and the output.
+
+@pytest.mark.parametrize("n", [256, 7, 8 * 33 + 5])  # every byte once; shorter than a vector; a tail
+def test_fp8_blocks_convert_to_the_floats_torch_gives(kernel, n):
+    data = torch.arange(256, dtype=torch.uint8).repeat(4)[:n]
+    got = torch.ops.tandem.fp8_e4m3_to_float(data.view(torch.float8_e4m3fn))
+    want = data.view(torch.float8_e4m3fn).to(torch.float32)
+    nan = want.isnan()  # 0x7f and 0xff
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))  # bit for bit, -0.0 included
+
+
+def fp8_case(heads, kv_heads, head_dim, v_dim, lens, seed=0):
+    tables, num_blocks = scattered(lens, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    # numbers across e4m3's range: subnormals (below 2^-6), normals, up to the saturated 448
+    k = (torch.randn(num_blocks, BS, kv_heads, head_dim, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v = (k[..., :v_dim] if v_dim < head_dim else
+         torch.randn(num_blocks, BS, kv_heads, v_dim, generator=g).mul(0.02).to(torch.float8_e4m3fn))
+    q = torch.randn(len(lens), heads, head_dim, generator=g) * 0.01
+    return q, k, v, tables
+
+
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.003, 25.0)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, v_dim", [(8, 2, 64, 64), (6, 3, 88, 88), (32, 1, 576, 512)])
+@pytest.mark.parametrize("lens, threads, window", [([1, 7, 300, 64], 1, None), ([3000], 2, 690)])
+@pytest.mark.parametrize("q_dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_decode_over_fp8_blocks_equals_attention_over_their_values(kernel, k_scale, v_scale, heads, kv_heads,
+                                                                   head_dim, v_dim, lens, threads, window, q_dtype,
+                                                                   tol):
+    q, k, v, tables = fp8_case(heads, kv_heads, head_dim, v_dim, lens)
+    q = q.to(q_dtype)
+    meta = AttentionMetadata.build([n - 1 for n in lens], [1] * len(lens), tables, BS, torch.device("cpu"), window)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(q, k, v, meta.block_tables, meta.seq_lens, 0.125, window or 0, k_scale, v_scale)
+    finally:
+        torch.set_num_threads(before)
+    # the reference dequantizes: the blocks' values times their scales, in float32
+    ref = sdpa_paged_attention(q.float(), k.float() * k_scale, v.float() * v_scale, meta, 0.125)
+    assert out.dtype == q_dtype and out.shape == (len(lens), heads, v_dim)
+    scale = ref.abs().max()
+    torch.testing.assert_close(out.float() / scale, ref / scale, rtol=tol, atol=tol)
+    # the torch path over the same fp8 blocks (what prefill chunks and GEMM-shaped groups take)
+    torch.testing.assert_close(sdpa_paged_attention(q.float(), k, v, meta, 0.125, k_scale, v_scale) / scale,
+                               ref / scale, rtol=2e-6, atol=2e-6)
+
+
+def test_fp8_decode_steps_take_the_kernel_whatever_the_query_dtype(kernel, monkeypatch):
+    q, k, v, tables = fp8_case(4, 2, 16, 16, [20, 9])
+    decode = AttentionMetadata.build([19, 8], [1, 1], tables, BS, torch.device("cpu"))
+    calls = []
+    monkeypatch.setattr("tandem.kv.attention._native_decode", lambda *a: calls.append(a[0].dtype) or kernel(*a))
+    for dtype in (torch.float32, torch.bfloat16):
+        out = paged_attention(q.to(dtype), k, v, decode, 0.25, k_scale=0.5, v_scale=2.0)
+        ref = sdpa_paged_attention(q.float(), k.float() * 0.5, v.float() * 2.0, decode, 0.25)
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    assert calls == [torch.float32, torch.bfloat16]
+
+
+def test_fp8_caches_come_in_pairs_and_scales_are_positive(kernel):
+    q, k, v, tables = fp8_case(4, 2, 16, 16, [5])
+    meta = AttentionMetadata.build([4], [1], tables, BS, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="or both caches be float8_e4m3fn"):
+        kernel(q, k, v.float(), meta.block_tables, meta.seq_lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="k_scale and v_scale must be finite and > 0"):
+        kernel(q, k, v, meta.block_tables, meta.seq_lens, 1.0, 0, 0.0, 1.0)

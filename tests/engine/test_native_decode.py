@@ -121,8 +121,11 @@ def test_decode_layer_rejects_bad_input_and_leaves_the_cache_alone(demo_model_di
     with pytest.raises(RuntimeError, match="x must be contiguous f32"):
         layer.forward(torch.randn(1, cfg.hidden_size + 1), cos, sin, k_cache, v_cache,
                       torch.zeros(1, dtype=torch.long), tables, lens, 0)
-    with pytest.raises(RuntimeError, match="caches must be f32 or bf16"):
+    with pytest.raises(RuntimeError, match="caches must be f32, bf16 or float8_e4m3fn"):
         layer.forward(x, cos, sin, k_cache.half(), v_cache.half(), torch.zeros(1, dtype=torch.long), tables, lens, 0)
+    with pytest.raises(RuntimeError, match=r"caches must be f32, bf16 or float8_e4m3fn \(both alike\)"):
+        layer.forward(x, cos, sin, k_cache.to(torch.float8_e4m3fn), v_cache, torch.zeros(1, dtype=torch.long), tables,
+                      lens, 0)
     before = x.clone()
     with pytest.raises(RuntimeError, match="slot 64 outside the cache"):
         layer.forward(x, cos, sin, k_cache, v_cache, torch.tensor([64]), tables, lens, 0)

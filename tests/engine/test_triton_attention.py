@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tandem.kv import triton_attention  # noqa: E402
+from tandem.kv import fp8, triton_attention  # noqa: E402
 from tandem.kv.attention import AttentionMetadata, sdpa_paged_attention  # noqa: E402
 from tandem.kv.triton_attention import paged_decode_attention, write_kv  # noqa: E402
 
@@ -228,3 +228,87 @@ def test_a_cuda_graph_replays_with_new_lengths_and_tables():
         load(case)
         graph.replay()
         check(case, out.clone(), tol=1e-5)
+
+
+# fp8 caches (--kv-cache-dtype fp8): the kernel reads their bytes and converts them with integer
+# operations (any GPU, and the interpreter here), the scales folded into the softmax scale and the output.
+
+def fp8_decode_case(lens: list[int], kv_heads: int, group: int, head_dim: int, v_dim: int, window: int | None,
+                    k_scale: float, v_scale: float, latent: bool = False, q_dtype: torch.dtype = torch.float32,
+                    seed: int = 0) -> dict:
+    """decode_case with e4m3 caches holding K / k_scale and V / v_scale (NaN bytes where nothing may be
+    read), its reference the attention over the values they hold."""
+    case = decode_case(lens, kv_heads, group, head_dim, v_dim, window, seed=seed, latent=latent)
+    k = fp8.quantize(case["k"] * 30, k_scale)  # numbers across e4m3's range, subnormals to saturation
+    v = k[..., :v_dim] if latent else fp8.quantize(case["v"], v_scale)
+    if latent:
+        v_scale = k_scale  # one latent, one scale
+    real = case["real"]
+    meta = AttentionMetadata.build([lens[i] - 1 for i in real], [1] * len(real),
+                                   [case["block_tables"][i, :-(-lens[i] // BS)].tolist() for i in real], BS, CPU,
+                                   window)
+    values = [t.float().nan_to_num() * s for t, s in ((k, k_scale), (v, v_scale))]  # the poison is never read
+    ref = sdpa_paged_attention(case["q"][real].float(), *values, meta, case["scale"])
+    return dict(case, q=case["q"].to(q_dtype), k=k, v=v, ref=ref, k_scale=k_scale, v_scale=v_scale)
+
+
+def run_fp8_case(case: dict, device: torch.device, partitions: int | None = None) -> torch.Tensor:
+    args = [case[name].to(device) for name in ("q", "k", "v", "block_tables", "seq_lens")]
+    return paged_decode_attention(*args, case["scale"], case["window"], k_scale=case["k_scale"],
+                                  v_scale=case["v_scale"], partitions=partitions)
+
+
+@pytest.mark.parametrize("kv_heads, group, head_dim, v_dim, latent", [
+    (2, 4, 24, 20, False), (1, 16, 40, 32, False), (1, 20, 24, 16, True)])  # broadcast tiles, then tl.dot ones
+@pytest.mark.parametrize("window, partitions", [(None, 1), (70, 3)])
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.05, 7.0)])
+def test_decode_over_fp8_blocks_matches_attention_over_their_values(kv_heads, group, head_dim, v_dim, latent, window,
+                                                                    partitions, k_scale, v_scale):
+    case = fp8_decode_case(LENS, kv_heads, group, head_dim, v_dim, window, k_scale, v_scale, latent)
+    assert case["k"].dtype == torch.float8_e4m3fn and case["k"].view(torch.uint8).eq(0x7F).any()  # NaN poison
+    check(case, run_fp8_case(case, CPU, partitions), tol=1e-5 * case["ref"].abs().max().item())
+
+
+def test_write_kv_copies_fp8_bytes():
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(5, BS, 2, 3, generator=g).to(torch.float8_e4m3fn)
+    before = cache.clone()
+    values = fp8.quantize(torch.randn(3, 2, 3, generator=g) * 100, 0.5)
+    slots = torch.tensor([6, -1, 19])
+    write_kv(cache, slots, values)
+    rows, expected = cache.view(torch.uint8).view(-1, 2, 3), before.view(torch.uint8).view(-1, 2, 3).clone()
+    expected[slots[slots >= 0]] = values.view(torch.uint8)[slots >= 0]
+    assert torch.equal(rows, expected)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_heads, group, head_dim, v_dim, latent", [
+    (8, 4, 128, 128, False), (4, 16, 128, 128, False), (1, 128, 576, 512, True)])
+@pytest.mark.parametrize("q_dtype, tol, partitions", [(torch.float32, 1e-5, None), (torch.bfloat16, 2e-2, 3)])
+def test_decode_over_fp8_blocks_on_cuda(kv_heads, group, head_dim, v_dim, latent, q_dtype, tol, partitions):
+    case = fp8_decode_case(LENS, kv_heads, group, head_dim, v_dim, None, 0.05, 7.0, latent, q_dtype)
+    check(case, run_fp8_case(case, torch.device("cuda"), partitions), tol * case["ref"].abs().max().item())
+
+
+@needs_cuda
+def test_fp8_kv_writes_and_decode_replay_in_a_cuda_graph():
+    from tandem.kv.attention import write_kv as write_scaled
+
+    cuda = torch.device("cuda")
+    case = fp8_decode_case([5, 0, 9], 2, 4, 64, 64, None, 0.05, 7.0)
+    q, k, v = case["q"].to(cuda), case["k"].to(cuda), case["v"].to(cuda)
+    tables, seq_lens = case["block_tables"].to(cuda), case["seq_lens"].to(cuda)
+    new_k = torch.randn(3, 2, 64, device=cuda)
+    slots = torch.tensor([-1, -1, -1], device=cuda)  # nothing written: the reference stays the case's
+    graph = torch.cuda.CUDAGraph()
+    write_scaled(k, slots, new_k, 0.05)  # compiles outside the capture
+    paged_decode_attention(q, k, v, tables, seq_lens, case["scale"], k_scale=0.05, v_scale=7.0)
+    with torch.cuda.graph(graph):
+        write_scaled(k, slots, new_k, 0.05)
+        out = paged_decode_attention(q, k, v, tables, seq_lens, case["scale"], k_scale=0.05, v_scale=7.0)
+    graph.replay()
+    check(case, out.clone(), tol=1e-5 * case["ref"].abs().max().item())
+    slots.copy_(torch.tensor([3, -1, 7], device=cuda))
+    graph.replay()  # now writes two rows, e4m3 of new_k / 0.05
+    rows = k.view(torch.uint8).view(-1, 2, 64)
+    assert torch.equal(rows[[3, 7]], fp8.quantize(new_k[[0, 2]], 0.05).view(torch.uint8))

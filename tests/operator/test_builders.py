@@ -12,7 +12,7 @@ from kubernetes.utils import parse_quantity
 from tandem import contract
 from tandem_operator import names, placement
 from tandem_operator.children import build_children
-from tandem_operator.spec import parse_spec
+from tandem_operator.spec import SpecError, parse_spec
 
 BASE = {"model": {"path": "mixtral", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
         "image": "ghcr.io/example/tandem:0.1.0"}
@@ -27,7 +27,7 @@ SPECS = {
         "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["moe"]}]}]}},
         "tolerations": [], "nodeSelector": {"topology.kubernetes.io/zone": "a"}, "onePerNode": False},
-        "kvCache": {"cpuTierGiB": 0, "blockSize": 32, "gpuMemoryFraction": 0.5, "cpuDecode": False}},
+        "kvCache": {"cpuTierGiB": 0, "blockSize": 32, "gpuMemoryFraction": 0.5, "cpuDecode": False, "dtype": "fp8"}},
     "nfs-volume": {**BASE, "model": {"path": "org/model", "volume": {"nfs": {"server": "nfs", "path": "/m"}}},
                    "imagePullSecrets": [{"name": "registry"}], "imagePullPolicy": "Always"},
 }
@@ -290,6 +290,26 @@ def test_scheduler_steps_reach_the_attention_container_only_when_not_1(steps):
         assert attention["args"][attention["args"].index(flag) + 1] == str(steps)
 
 
+@pytest.mark.parametrize("dtype", ["auto", "fp8"])
+def test_the_kv_cache_dtype_reaches_the_attention_container_only_when_not_auto(dtype):
+    raw = copy.deepcopy(BASE)
+    raw["kvCache"] = {"dtype": dtype}
+    attention, experts = containers(raw)["attention"], containers(raw)["experts"]
+    flag = contract.SERVE_FLAGS["kv_cache_dtype"]
+    assert flag not in experts["args"]  # the experts process reads the CPU tier's dtype from its published layout
+    if dtype == "auto":  # the default renders nothing, so an operator upgrade leaves existing pods as they are
+        assert flag not in attention["args"] and attention["args"] == containers(BASE)["attention"]["args"]
+    else:
+        assert attention["args"][attention["args"].index(flag) + 1] == dtype
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_by_name():
+    raw = copy.deepcopy(BASE)
+    raw["kvCache"] = {"dtype": "fp8_e5m2"}
+    with pytest.raises(SpecError, match="spec.kvCache.dtype must be one of auto, fp8; got 'fp8_e5m2'"):
+        parse_spec(raw)
+
+
 @pytest.mark.parametrize("name", SPECS)
 def test_container_args_are_what_tandem_serve_accepts(name):
     """Every rendered command line goes through the real `tandem serve` parser and options check."""
@@ -305,6 +325,7 @@ def test_container_args_are_what_tandem_serve_accepts(name):
             assert opts.cpu_decode is spec.kvCache.cpuDecode
             assert opts.gpu_memory_fraction == spec.kvCache.gpuMemoryFraction
             assert opts.num_scheduler_steps == spec.attention.numSchedulerSteps
+            assert opts.kv_cache_dtype == spec.kvCache.dtype
             assert opts.experts_shm is None
         else:
             assert opts.expert_quant == spec.experts.quantization

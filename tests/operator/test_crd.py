@@ -41,6 +41,7 @@ GOOD = {
               "experts": {"cpus": 1, "memory": "1.5Gi", "threads": 2, "quantization": "int4",
                           "spinMicroseconds": 20000}},
     "multi-step": {"attention": {"numSchedulerSteps": 64}},
+    "fp8-kv-cache": {"kvCache": {"dtype": "fp8", "cpuTierGiB": 64}, "attention": {"memory": "96Gi"}},
     "gguf": {"experts": {"gguf": "DeepSeek-R1-GGUF/Q4_K_M/DeepSeek-R1-Q4_K_M-00001-of-00009.gguf"}},
     "gguf-at-the-root": {"experts": {"gguf": "m.gguf", "quantization": "none"}},
     # The Kubernetes docs' examples (Assigning Pods to Nodes; Taints and Tolerations).
@@ -74,6 +75,7 @@ BAD = {
     "too-many-scheduler-steps": ({"attention": {"numSchedulerSteps": 65}}, "numSchedulerSteps"),
     "fractional-scheduler-steps": ({"attention": {"numSchedulerSteps": 2.5}}, "numSchedulerSteps"),
     "string-scheduler-steps": ({"attention": {"numSchedulerSteps": "8"}}, "numSchedulerSteps"),
+    "unknown-kv-cache-dtype": ({"kvCache": {"dtype": "fp8_e5m2"}}, "dtype"),
     "bad-source": ({"autoscaling": {"metrics": {"source": "Datadog"}}}, "source"),
     "bad-url": ({"autoscaling": {"metrics": {"prometheus": {"url": "prom:9090"}}}}, "url"),
     "ca-secret-without-key": (_prometheus(tls={"caSecret": {"name": "ca"}}), "tls.caSecret.key is required"),

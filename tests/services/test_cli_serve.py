@@ -17,7 +17,8 @@ def test_every_contract_flag_is_accepted(tmp_path):
     values = {"model": str(tmp_path), "listen": "unix:/run/x.sock", "metrics_port": "9500", "role": "attention",
               "experts": contract.EXPERTS_SOCKET, "kv_shm": contract.KV_SHM_PATH, "device": "cpu",
               "dtype": "bfloat16", "threads": "3", "block_size": "32", "gpu_memory_fraction": "0.5",
-              "cpu_kv_gib": "2", "expert_quant": "int8", "spin_us": "20000", "num_scheduler_steps": "4"}
+              "cpu_kv_gib": "2", "expert_quant": "int8", "spin_us": "20000", "num_scheduler_steps": "4",
+              "kv_cache_dtype": "fp8"}
     switches = {"cpu_decode": True, "no_cpu_decode": False}  # flags without a value
     # --experts-gguf goes with neither --role attention nor --expert-quant: see the test below;
     # --experts-shm is the experts role's only: below too
@@ -27,7 +28,7 @@ def test_every_contract_flag_is_accepted(tmp_path):
     assert (opts.role, opts.experts, opts.kv_shm, opts.metrics_port) == (
         "attention", contract.EXPERTS_SOCKET, contract.KV_SHM_PATH, 9500)
     assert (opts.threads, opts.block_size, opts.gpu_memory_fraction, opts.expert_quant) == (3, 32, 0.5, "int8")
-    assert opts.spin_us == 20000 and opts.num_scheduler_steps == 4
+    assert opts.spin_us == 20000 and opts.num_scheduler_steps == 4 and opts.kv_cache_dtype == "fp8"
     for key, value in switches.items():
         assert parse(*argv, contract.SERVE_FLAGS[key]).cpu_decode is value
 
@@ -124,6 +125,18 @@ def test_dense_quant_reaches_the_options_and_bad_values_exit_2(tmp_path, capsys)
     assert exc.value.code == 2
 
 
+def test_kv_cache_dtype_reaches_the_engine_and_bad_values_exit_2(tmp_path, capsys):
+    from tandem.rpc.loading import engine_config
+
+    flag = contract.SERVE_FLAGS["kv_cache_dtype"]
+    assert engine_config(parse("--model", str(tmp_path))).kv_cache_dtype == "auto"
+    for value in ("fp8", "fp8_e4m3"):
+        assert engine_config(parse("--model", str(tmp_path), flag, value)).kv_cache_dtype == value
+    with pytest.raises(SystemExit) as exc:
+        parse("--model", str(tmp_path), flag, "fp9")
+    assert exc.value.code == 2 and "invalid choice: 'fp9'" in capsys.readouterr().err
+
+
 def test_experts_gguf_is_for_the_process_holding_the_experts_in_the_files_format(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "experts.gguf").write_bytes(b"GGUF")
@@ -165,6 +178,8 @@ def test_experts_shm_is_for_the_experts_role(tmp_path, capsys):
     (["--max-model-len", "512"], "--max-model-len is for the engine"),
     (["--gpu-memory-fraction", "0.5"], "--gpu-memory-fraction is for the engine"),
     (["--num-device-blocks", "8"], "--num-device-blocks is for the engine"),
+    # the experts process reads the CPU tier's dtype and scales from the layout the attention process publishes
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype is for the engine"),
     (["--spin-us", "20000", "--listen", "127.0.0.1:9000"],
      "--spin-us polls the data plane, which needs a Unix socket: --role experts with --listen 127.0.0.1:9000"),
 ])

@@ -91,6 +91,40 @@ def test_layout_is_published_next_to_the_shared_files(tmp_path, model_dir):
 
 
 
+async def test_remote_attention_reads_an_fp8_tier_with_its_scales(start_server, model_dir, tmp_path):
+    # --kv-cache-dtype fp8 is the attention process's flag: the tier's dtype and each layer's scales reach
+    # the experts process in the published layout, and it reads the bytes as they were written.
+    from tandem.model.loader import load_model
+
+    shm, path = tmp_path / "shm" / "kv", model_dir("mixtral")
+    server = await start_server(model=str(path), role="experts", listen=f"unix:{tmp_path}/experts.sock",
+                                kv_shm=str(shm))
+    model, _ = load_model(path)
+    for layer, (ks, vs) in enumerate([(0.25, 3.0), (0.5, 0.125)]):  # as a checkpoint's calibrated scales
+        model.model.layers[layer].self_attn.k_scale, model.model.layers[layer].self_attn.v_scale = ks, vs
+    engine = LLMEngine(model, None, torch.device("cpu"), EngineConfig(
+        max_model_len=256, max_num_seqs=4, cpu_kv_gib=0.01, kv_shm_path=str(shm), kv_cache_dtype="fp8"))
+    publish_layout(engine.cache, shm)
+    torch.manual_seed(0)
+    for tensor in engine.cache.tiers[CPU].values():
+        tensor.copy_(torch.randn(tensor.shape).to(torch.float8_e4m3fn))
+    cfg = engine.model_config
+    query = torch.randn(3, cfg.num_heads, cfg.head_dim)
+    tables, lens = [[4, 9], [0], [2, 3, 7]], [20, 5, 33]
+    client = GrpcExpertExecutor(server.address)
+    try:
+        for layer, (ks, vs) in enumerate([(0.25, 3.0), (0.5, 0.125)]):
+            remote = await asyncio.to_thread(client.cpu_attention, layer, query, tables, lens)
+            cache = engine.cache.layer(layer, CPU)
+            values = {"k": cache["k"].float() * ks, "v": cache["v"].float() * vs}
+            meta = AttentionMetadata.build([n - 1 for n in lens], [1] * len(lens), tables, engine.cache.block_size,
+                                           torch.device("cpu"))
+            want = paged_attention(query, values["k"], values["v"], meta, 1.0 / math.sqrt(query.shape[-1]))
+            torch.testing.assert_close(remote, want, rtol=1e-5, atol=1e-5)
+    finally:
+        client.close()
+
+
 async def test_prefill_chunks_and_the_latent_layout_over_the_shared_tier(start_server, model_dir, tmp_path):
     """Several queries per sequence (a chunk offloaded mid-prefill) over DeepSeek's latent cache:
     the experts process attends in the latent space with no weights, and once the attention side

@@ -126,19 +126,23 @@ TINY_DEVICE_TIER = ["--block-size", "4", "--num-device-blocks", "6", "--max-num-
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
-async def test_offloaded_sequences_decode_on_the_experts_process(serve_process, model_dir, tmp_path, arch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+async def test_offloaded_sequences_decode_on_the_experts_process(serve_process, model_dir, tmp_path, arch,
+                                                                  kv_cache_dtype):
     """Sequences the device tier cannot hold move to the shared CPU tier; the experts process
-    computes their attention from the shared memory (the latent layout for DeepSeek), with the
-    tokens the embedded server computes in-process."""
+    computes their attention from the shared memory (the latent layout for DeepSeek; an fp8 tier read
+    as the attention process's --kv-cache-dtype made it, from its published layout), with the tokens
+    the embedded server computes in-process."""
     model = model_dir(arch)
+    tiny_device_tier = [*TINY_DEVICE_TIER, "--kv-cache-dtype", kv_cache_dtype]
     shm, socket = str(tmp_path / "shm" / "kv"), f"unix:{tmp_path}/experts.sock"
     experts = serve_process("--model", str(model), "--role", "experts", "--listen", socket, "--metrics-port", "0",
                             "--kv-shm", shm, wait=False)
     attention = serve_process("--model", str(model), "--role", "attention", "--experts", socket, "--listen",
                               "127.0.0.1:0", "--metrics-port", "0", "--kv-shm", shm, "--device", "cpu",
-                              *TINY_DEVICE_TIER, wait=False)
+                              *tiny_device_tier, wait=False)
     embedded = serve_process("--model", str(model), "--listen", f"unix:{tmp_path}/embedded.sock",
-                             "--metrics-port", "0", "--device", "cpu", *TINY_DEVICE_TIER, wait=False)
+                             "--metrics-port", "0", "--device", "cpu", *tiny_device_tier, wait=False)
     for proc in (experts, attention, embedded):
         proc.wait_listening()
     await wait_health(experts.address, SERVING, service=contract.EXPERTS_SERVICE)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tandem.contract import KV_CACHE_DTYPES
 from tandem.experts.device_prefill import DEFAULT_MIN_TOKENS as DEVICE_PREFILL_TOKENS
 
 @dataclass
@@ -40,6 +41,10 @@ class EngineConfig:
     # tokens. step(emit=...) streams each token as its step of the run ends (the serving loop
     # does); step() returns them together at the run's end. 1: a step per token.
     num_scheduler_steps: int = 1
+    # The KV cache's dtype in both tiers (vLLM's --kv-cache-dtype): "auto", the model's; "fp8" (or
+    # "fp8_e4m3"), float8 e4m3 with the checkpoint's KV scales or 1.0: half a bf16 block's bytes,
+    # twice the tokens in the same memory (tandem.kv.fp8).
+    kv_cache_dtype: str = "auto"
 
     DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -61,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"num_device_blocks must be at least 1, got {self.num_device_blocks}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be at least 0, got {self.num_cpu_blocks}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 def context_length(model_config, config: EngineConfig) -> int:

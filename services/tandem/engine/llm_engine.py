@@ -64,7 +64,7 @@ class LLMEngine:
         self.model_config = cfg = model.cfg
         self.max_model_len = context_length(cfg, config)
         dtype = next(model.parameters()).dtype
-        layout = KVLayout(tuple(model.kv_entries()), cfg.num_layers, dtype)
+        layout = KVLayout.for_model(model.kv_entries(), cfg.num_layers, dtype, config.kv_cache_dtype, model.kv_scales())
         num_device, num_cpu = self._num_blocks(layout)
         # Bookkeeping first: tiers too small for the limits are refused before any memory is taken.
         self.block_manager = KVBlockManager(num_device, num_cpu, config.block_size, config.enable_prefix_caching)

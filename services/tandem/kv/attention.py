@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tandem.kv import triton_attention
+from tandem.kv import fp8, triton_attention
 
 
 class DecodeSteps(NamedTuple):
@@ -120,13 +120,16 @@ def slots_of(positions: list[int], block_tables: list[list[int]], block_size: in
     return [t[p // block_size] * block_size + p % block_size for p, t in zip(positions, block_tables)]
 
 
-def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """cache [blocks, block_size, *entry]; values [T, *entry] go to their slots. On CUDA a Triton
+def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor, scale: float = 1.0) -> None:
+    """cache [blocks, block_size, *entry]; values [T, *entry] go to their slots, in an fp8 cache as
+    values / scale (`tandem.kv.fp8.quantize`; other caches ignore the scale). On CUDA a Triton
     kernel writes them, skipping slot -1 (the padding rows of a graphed decode batch)."""
+    values = fp8.quantize(values, scale) if cache.dtype == fp8.FP8 else values.to(cache.dtype)
     if cache.device.type == "cuda" and triton_attention.available(cache.device):
         triton_attention.write_kv(cache, slot_mapping, values)
         return
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
+    rows = fp8.as_bytes(cache).view(-1, *cache.shape[2:])
+    rows.index_copy_(0, slot_mapping, fp8.as_bytes(values))
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,7 +139,8 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.T
     their blocks held before (another request's KV, a NaN it computed, an earlier run's bytes in a
     reused shared-memory tier): masked out of the scores, yet a NaN or inf there would still reach
     the output, as 0 * NaN, through the probabilities' product with the values."""
-    gathered = cache[block_tables].flatten(1, 2)  # [B, L, *entry], a copy
+    # fp8 as bytes: torch neither fills nor (on every device) indexes float8 tensors; fp8 zero is the zero byte
+    gathered = fp8.as_bytes(cache)[block_tables].flatten(1, 2)  # [B, L, *entry], a copy
     if seq_lens is not None:
         beyond = torch.arange(gathered.shape[1], device=gathered.device) >= seq_lens[:, None]  # [B, L]
         if gathered.device.type == "cpu":
@@ -144,7 +148,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.T
             gathered.flatten(0, 1).index_fill_(0, beyond.view(-1).nonzero().view(-1), 0)
         else:  # nonzero would wait for the device every layer; a masked write does not
             gathered.masked_fill_(beyond.view(*beyond.shape, *[1] * (gathered.dim() - 2)), 0)
-    return gathered
+    return gathered.view(cache.dtype)
 
 
 _native_decode = None  # resolved on first use: the op, or False
@@ -152,9 +156,10 @@ MAX_NATIVE_GROUP = 16  # query heads per KV head up to which the native decode k
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, *, native_any_dtype: bool = False) -> torch.Tensor:
+                    scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                    native_any_dtype: bool = False) -> torch.Tensor:
     """q [T, H, D] (exactly the tokens `meta` describes, in order); caches [blocks, block_size, Hkv, D]
-    and [blocks, block_size, Hkv, Dv] -> [T, H, Dv].
+    and [blocks, block_size, Hkv, Dv] -> [T, H, Dv] in q's dtype.
 
     Float32 decode steps on the CPU run the native kernel, which reads K and V in place; decode
     steps on CUDA run the Triton kernel (`tandem.kv.triton_attention`), which does too and which a
@@ -164,22 +169,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     to bf16, and a one-ulp difference can flip an expert choice downstream, so bf16 serving would
     stop tracking transformers (the kernel itself takes bf16; see tests/engine/test_native_attention.py).
     `native_any_dtype` lifts that for attention with no transformers counterpart (the CPU tier's).
+
+    fp8 caches (`tandem.kv.fp8`) hold K / k_scale and V / v_scale; every path here takes them
+    (other caches ignore the scales). On the CPU their decode steps run the native kernel whatever
+    q's dtype: with the KV rounded to e4m3 there is no bf16 rounding of transformers' left to track.
     """
     decode_only = meta.query_index.shape[1] == 1  # one token per sequence, in sequence order
     block_size = k_cache.shape[1]
     if decode_only and triton_attention.available(q.device) and not block_size & (block_size - 1):
         return triton_attention.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                                       scale, meta.sliding_window or 0)
-    native_dtype = native_any_dtype or q.dtype == torch.float32
+                                                       scale, meta.sliding_window or 0, k_scale=k_scale,
+                                                       v_scale=v_scale)
+    quantized = k_cache.dtype == fp8.FP8
+    native_dtype = native_any_dtype or q.dtype == torch.float32 or quantized
     # Many query heads on one KV head (MLA's latent: 128 on 1) make decode a GEMM, which MKL does
     # better than the kernel's per-head dot products (15.7 against 36.9 ms at 4096 tokens).
     gemm_shaped = q.shape[1] // k_cache.shape[2] > MAX_NATIVE_GROUP
-    if (decode_only and q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype and native_dtype
-            and not gemm_shaped):
+    same_dtype = k_cache.dtype == v_cache.dtype and (quantized or q.dtype == k_cache.dtype)
+    if decode_only and q.device.type == "cpu" and same_dtype and native_dtype and not gemm_shaped:
         kernel = native_decode_attention()
         if kernel is not None:
-            return kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.sliding_window or 0)
-    return sdpa_paged_attention(q, k_cache, v_cache, meta, scale)
+            return kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.sliding_window or 0,
+                          k_scale, v_scale)
+    return sdpa_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 def native_decode_attention():
@@ -195,12 +207,17 @@ def native_decode_attention():
 
 
 def sdpa_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor:
-    """`paged_attention` with torch ops: gather the blocks, one padded SDPA over the batch."""
+                         scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """`paged_attention` with torch ops: gather the blocks, one padded SDPA over the batch. fp8 blocks
+    are gathered as they are, then converted to q's dtype; their scales go into the softmax's scale
+    and the output."""
     decode_only = meta.query_index.shape[1] == 1  # one token per sequence, in sequence order: no gather
     qp = (q[:, None] if decode_only else q[meta.query_index]).transpose(1, 2)  # [B, H, Qmax, D]
     k = gather_kv(k_cache, meta.block_tables, meta.seq_lens).transpose(1, 2)  # [B, Hkv, L, D]
     v = gather_kv(v_cache, meta.block_tables, meta.seq_lens).transpose(1, 2)  # [B, Hkv, L, Dv]
+    quantized = k_cache.dtype == fp8.FP8
+    if quantized:
+        k, v, scale = k.to(q.dtype), v.to(q.dtype), scale * k_scale  # e4m3 is exact in any float dtype
     heads = qp.shape[1]
     if k.shape[1] == 1 and heads > 1:
         out = shared_kv_head_attention(qp, k, v, meta.mask, scale)  # [B, H, Qmax, Dv]
@@ -209,6 +226,8 @@ def sdpa_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask, scale=scale,
                                              enable_gqa=k.shape[1] != heads)  # [B, H, Qmax, Dv]
     out = out.transpose(1, 2)  # [B, Qmax, H, Dv]
+    if quantized and v_scale != 1.0:
+        out = out * v_scale
     return out[:, 0] if decode_only else out[meta.query_valid]  # [T, H, Dv] in sequence order
 
 

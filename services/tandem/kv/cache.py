@@ -10,6 +10,7 @@ live in a shared-memory file so a second process (the experts side) maps the sam
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -19,16 +20,55 @@ from pathlib import Path
 
 import torch
 
+from tandem.kv import fp8
+
 DEVICE, CPU = "device", "cpu"
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What one token of one layer stores: named entries with their shapes."""
+    """What one token of one layer stores: named entries with their shapes, in `dtype`.
+
+    An fp8 layout (`tandem.kv.fp8`) may give each layer's entries their scales: scales[layer][i]
+    is entry i's (stored number = value / scale); none given, every scale is 1.0."""
 
     entries: tuple[tuple[str, tuple[int, ...]], ...]  # e.g. (("k", (8, 128)), ("v", (8, 128)))
     num_layers: int
     dtype: torch.dtype
+    scales: tuple[tuple[float, ...], ...] = ()
+
+    def __post_init__(self):
+        if not self.scales:
+            return
+        if self.dtype != fp8.FP8:
+            raise ValueError(f"KV scales are for an fp8 cache, not a {self.dtype} one")
+        if len(self.scales) != self.num_layers or any(len(s) != len(self.entries) for s in self.scales):
+            raise ValueError(f"KV scales must be one per entry ({len(self.entries)}) for each of the "
+                             f"{self.num_layers} layers")
+        for layer, scales in enumerate(self.scales):
+            for (name, _), scale in zip(self.entries, scales):
+                fp8.check_scale(scale, f"layer {layer}'s {name} scale")
+
+    @classmethod
+    def for_model(cls, entries, num_layers: int, model_dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                  scales: tuple[tuple[float, ...], ...] = ()) -> "KVLayout":
+        """A model's cache layout under --kv-cache-dtype: in the model's dtype ("auto"), or fp8 with
+        `scales`, the checkpoint's calibrated ones (an "auto" cache ignores them, as vLLM does)."""
+        dtype = fp8.cache_dtype(kv_cache_dtype, model_dtype)
+        if dtype != fp8.FP8:
+            return cls(tuple(entries), num_layers, dtype)
+        scales = tuple(tuple(float(s) for s in layer) for layer in scales)
+        if all(s == 1.0 for layer in scales for s in layer):
+            _log.info("fp8 KV cache with scales 1.0: the checkpoint has no calibrated KV scales, values are cast "
+                      "(saturating at +-448)")
+            scales = ()
+        return cls(tuple(entries), num_layers, dtype, scales)
+
+    def entry_scales(self, layer: int) -> dict[str, float]:
+        """Each entry's scale in `layer` (1.0 where none was given)."""
+        scales = self.scales[layer] if self.scales else (1.0,) * len(self.entries)
+        return {name: scale for (name, _), scale in zip(self.entries, scales)}
 
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -59,6 +99,7 @@ class KVCache:
             self.close()
             raise
         self._layers: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # views, made once
+        self.scales = [layout.entry_scales(i) for i in range(layout.num_layers)]  # per layer: entry -> scale
 
     def close(self) -> None:
         """Remove the CPU tier's shared-memory files. Its memory goes once no process maps them
@@ -116,13 +157,14 @@ class KVCache:
         return views
 
     def swap(self, pairs: list[tuple[int, int]], src: str, dst: str) -> None:
-        """Copy blocks src_id -> dst_id from tier `src` to tier `dst`, all layers at once."""
+        """Copy blocks src_id -> dst_id from tier `src` to tier `dst`, all layers at once; bytes as
+        they are (both tiers have the layout's dtype and scales)."""
         if not pairs:
             return
         src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
         dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
         for name, s in self.tiers[src].items():
-            d = self.tiers[dst][name]
+            d, s = fp8.as_bytes(self.tiers[dst][name]), fp8.as_bytes(s)  # fp8 indexing is not everywhere
             d[:, dst_ids.to(d.device)] = s[:, src_ids.to(s.device)].to(d.device)
 
 

@@ -14,7 +14,7 @@ contiguous slice: [0, num_device_tokens) and [num_device_tokens, T).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -54,24 +54,29 @@ class CpuAttentionBackend(Protocol):
 
 
 def attend_cpu_tier(tensors: dict[str, torch.Tensor], query: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    value_dim: int = 0) -> torch.Tensor:
+                    value_dim: int = 0, scales: dict[str, float] | None = None) -> torch.Tensor:
     """Attention of `query` [T, heads, D] over one layer's CPU-tier tensors.
 
     A K/V layout ({"k", "v"}: [blocks, block_size, kv_heads, D]) is ordinary grouped-query
     attention. A single-entry layout is a latent cache ([blocks, block_size, W], MLA): one key
     head shared by all query heads, whose first `value_dim` numbers are also the value; the
     caller sends queries already absorbed into the latent space and gets [T, heads, value_dim].
+    `scales`: each entry's, for an fp8 tier (`tandem.kv.fp8`); none, 1.0.
     """
+    scales = scales or {}
     # No transformers run to track here: the native kernel serves every dtype it takes.
     if "k" in tensors and "v" in tensors:
-        return paged_attention(query, tensors["k"], tensors["v"], meta, scale, native_any_dtype=True)
+        return paged_attention(query, tensors["k"], tensors["v"], meta, scale, k_scale=scales.get("k", 1.0),
+                               v_scale=scales.get("v", 1.0), native_any_dtype=True)
     if len(tensors) != 1:
         raise ValueError(f"a CPU KV tier has entries 'k' and 'v', or a single latent; got {sorted(tensors)}")
-    (latent,) = tensors.values()
+    ((name, latent),) = tensors.items()
     if not 0 < value_dim <= latent.shape[-1]:
         raise ValueError(f"value_dim must be in [1, {latent.shape[-1]}] for a latent cache, got {value_dim}")
     keys = latent[:, :, None]  # [blocks, block_size, 1, W]: one shared head
-    return paged_attention(query, keys, keys[..., :value_dim], meta, scale, native_any_dtype=True)
+    s = scales.get(name, 1.0)  # the value is the latent too: one scale for both
+    return paged_attention(query, keys, keys[..., :value_dim], meta, scale, k_scale=s, v_scale=s,
+                           native_any_dtype=True)
 
 
 class LocalCpuAttention:
@@ -82,20 +87,26 @@ class LocalCpuAttention:
 
     def __call__(self, layer: int, query: torch.Tensor, batch: CpuBatch, scale: float,
                  value_dim: int = 0) -> torch.Tensor:
-        return attend_cpu_tier(self.cache.layer(layer, CPU), query, batch.meta, scale, value_dim)
+        return attend_cpu_tier(self.cache.layer(layer, CPU), query, batch.meta, scale, value_dim,
+                               self.cache.scales[layer])
 
 
 @dataclass
 class LayerKV:
-    """One decoder layer's cache tensors in both tiers (name -> [blocks, block_size, *entry])."""
+    """One decoder layer's cache tensors in both tiers (name -> [blocks, block_size, *entry]), and
+    each entry's scale (an fp8 cache's, `tandem.kv.fp8`; 1.0 for others, which ignore it)."""
 
     index: int
     device: dict[str, torch.Tensor]
     cpu: dict[str, torch.Tensor]
+    scales: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, cache: KVCache, layer: int) -> "LayerKV":
-        return cls(layer, cache.layer(layer, DEVICE), cache.layer(layer, CPU))
+        return cls(layer, cache.layer(layer, DEVICE), cache.layer(layer, CPU), cache.scales[layer])
+
+    def scale(self, name: str) -> float:
+        return self.scales.get(name, 1.0)
 
 
 @dataclass
@@ -116,9 +127,9 @@ class StepAttention:
         n = self.num_device_tokens
         for name, values in entries.items():
             if self.device is not None:
-                write_kv(kv.device[name], self.device.slot_mapping, values[:n])
+                write_kv(kv.device[name], self.device.slot_mapping, values[:n], kv.scale(name))
             if self.cpu is not None:
-                write_kv(kv.cpu[name], self.cpu.meta.slot_mapping, values[n:].to(CPU_DEVICE))
+                write_kv(kv.cpu[name], self.cpu.meta.slot_mapping, values[n:].to(CPU_DEVICE), kv.scale(name))
 
     def attend_cpu(self, kv: LayerKV, query: torch.Tensor, scale: float, value_dim: int = 0) -> torch.Tensor:
         """Attention of the CPU-tier tokens' queries [Tc, heads, D], returned on query's device."""

@@ -39,7 +39,8 @@ def available(device: torch.device | str) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
-                           out: torch.Tensor | None = None, *, partitions: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                           partitions: int | None = None) -> torch.Tensor:
     """One decode token per sequence: q [B, H, D]; caches [blocks, block_size, Hkv, D] and
     [blocks, block_size, Hkv, Dv] (views with any strides); block_tables [B, max_blocks] int64;
     seq_lens [B] int64 keys per sequence, the new token's included -> [B, H, Dv] in q's dtype.
@@ -52,6 +53,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     by B, Hkv and H alone. `out`,
     when given ([B, H, Dv], any strides), is written in place and returned. Raises ValueError for
     a block size that is not a power of two (callers fall back to torch).
+
+    fp8 caches (float8 e4m3, `tandem.kv.fp8`) hold K / k_scale and V / v_scale. The kernel reads
+    their bytes and converts them with integer operations (`_fp8_to_float`), which every GPU and the
+    interpreter run (Triton's own float8 type needs sm_89 or newer); the scales are folded into the
+    softmax's scale and the output.
     """
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -75,19 +81,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_max, part_sum = torch.empty(2, batch, heads, parts, device=q.device, dtype=torch.float32)
         part_acc = torch.empty(batch, heads, parts, v_dim, device=q.device, dtype=torch.float32)
     interpreted = q.device.type == "cpu"
-    cache_dtype = _tl_dtype(v_cache.dtype)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 != (v_cache.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"K and V caches must both be fp8 or neither, got {k_cache.dtype} and {v_cache.dtype}")
+    if fp8:  # the bytes, converted in the kernel; its products and rounding in q's dtype
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        scale, out_scale = scale * k_scale, v_scale
+    else:
+        out_scale = 1.0
+    cache_dtype = _tl_dtype(q.dtype if fp8 else v_cache.dtype)
     _kernel(_decode_kernel, interpreted)[(batch, kv_heads * tiles, parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc, scale * LOG2E, heads,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc, scale * LOG2E, out_scale,
+        heads,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), seq_lens.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_SIZE=block_size, SLIDING_WINDOW=max(sliding_window, 0),
         PARTS=parts, TILES=tiles, TILE=tile, DOT=dot, D_PAD=_pad(head_dim), DV_PAD=_pad(v_dim),
-        D_MAIN=_main(head_dim), D_REST=_rest(head_dim), ROUND=cache_dtype,
+        D_MAIN=_main(head_dim), D_REST=_rest(head_dim), ROUND=cache_dtype, FP8=fp8,
         # Triton 3.6's interpreter multiplies bf16 operands of tl.dot as their bit patterns: float32 there
         OPERAND=tl.float32 if interpreted else cache_dtype,
         **_step(tile, _pad(max(head_dim, v_dim)), dot))
     if parts > 1:
         _kernel(_combine_kernel, interpreted)[(batch, heads)](
-            out, part_max, part_sum, part_acc, *out.stride(),
+            out, part_max, part_sum, part_acc, out_scale, *out.stride(),
             V_DIM=v_dim, PARTS=parts, PARTS_PAD=_pad(parts), DV_PAD=_pad(v_dim))
     return out
 
@@ -105,6 +120,8 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tens
         raise ValueError("write_kv needs the cache's entry dimensions to flatten into one (a view)") from e
     # converted by torch, which rounds to nearest even as the tests' reference does (the interpreter truncates)
     flat_values = values.reshape(values.shape[0], -1).to(cache.dtype)  # [T, E]
+    if cache.dtype == torch.float8_e4m3fn:  # bytes (quantized by the caller: tandem.kv.fp8), on any GPU
+        flat_cache, flat_values = flat_cache.view(torch.uint8), flat_values.view(torch.uint8)
     entry = flat_cache.shape[2]
     grid = (values.shape[0], triton.cdiv(entry, WRITE_CHUNK))
     _kernel(_write_kv_kernel, interpreted=cache.device.type == "cpu")[grid](
@@ -217,8 +234,17 @@ def _patch_lang_tensor(patch, tensor, scope):
 
 # The kernels below are plain functions, wrapped by `_kernel`: `tl` is only looked up when they run.
 
+def _fp8_to_float(bits):
+    """e4m3 bytes (uint8) -> float32 values, exactly: sign, exponent and mantissa moved into a
+    float16's (its bias 15, not 7: the value times 2^-8, subnormals included), widened, times 2^8;
+    0x7f and 0xff are NaN. Integer operations and a widening, which every GPU has."""
+    b = bits.to(tl.uint16)
+    half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0)
+
+
 def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc, scale_log2,
-                   num_heads,
+                   out_scale, num_heads,
                    stride_qb, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
@@ -226,7 +252,8 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SLIDING_WINDOW: tl.constexpr, PARTS: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr,
                    DOT: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_MAIN: tl.constexpr,
-                   D_REST: tl.constexpr, ROUND: tl.constexpr, OPERAND: tl.constexpr, KEYS: tl.constexpr):
+                   D_REST: tl.constexpr, ROUND: tl.constexpr, OPERAND: tl.constexpr, KEYS: tl.constexpr,
+                   FP8: tl.constexpr):
     # One program per (sequence, KV head's tile of query heads, key range): the tile's heads share
     # each K/V load.
     seq = tl.program_id(0).to(tl.int64)
@@ -276,23 +303,31 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
         v_rows = block_ids * stride_vb + (pos % BLOCK_SIZE) * stride_vs  # [S]
         k_base = k_cache + k_rows[:, None] + kv_head * stride_kh  # [S, 1]
         if DOT:  # operands of the cache's dtype (float32 ones, in the interpreter, in full precision: no TF32)
-            k_main = tl.load(k_base + main[None, :] * stride_kd, mask=key_ok[:, None], other=0.0).to(OPERAND)
-            scores = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")  # [G, S]
+            k_main = tl.load(k_base + main[None, :] * stride_kd, mask=key_ok[:, None], other=0.0)  # [S, DM]
+            if FP8:
+                k_main = _fp8_to_float(k_main)
+            scores = tl.dot(q_main, tl.trans(k_main.to(OPERAND)), input_precision="ieee")  # [G, S]
             if D_REST > 0:
                 k_rest = tl.load(k_base + rest[None, :] * stride_kd, mask=key_ok[:, None] & (rest[None, :] < HEAD_DIM),
-                                 other=0.0).to(OPERAND)  # [S, DR]
-                scores += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
+                                 other=0.0)  # [S, DR]
+                if FP8:
+                    k_rest = _fp8_to_float(k_rest)
+                scores += tl.dot(q_rest, tl.trans(k_rest.to(OPERAND)), input_precision="ieee")
             scores = scores * scale_log2
         else:
             k = tl.load(k_base + dims[None, :] * stride_kd, mask=key_ok[:, None] & (dims[None, :] < HEAD_DIM),
-                        other=0.0).to(tl.float32)  # [S, D]
-            scores = tl.sum(q_tile[:, None, :] * k[None, :, :], axis=2)  # [G, S]
+                        other=0.0)  # [S, D]
+            if FP8:
+                k = _fp8_to_float(k)
+            scores = tl.sum(q_tile[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G, S]
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # [G]
         rescale = tl.exp2(m - m_new)  # [G]
         p = tl.exp2(scores - m_new[:, None])  # [G, S]
         v = tl.load(v_cache + v_rows[:, None] + kv_head * stride_vh + v_dims[None, :] * stride_vd,
                     mask=key_ok[:, None] & (v_dims[None, :] < V_DIM), other=0.0)  # [S, Dv]
+        if FP8:
+            v = _fp8_to_float(v)
         total = total * rescale + tl.sum(p, axis=1)
         if DOT:  # the probabilities rounded to the cache's dtype, as flash attention does
             acc = acc * rescale[:, None] + tl.dot(p.to(ROUND).to(OPERAND), v.to(OPERAND),
@@ -303,7 +338,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
 
     head_ok = rows < GROUP
     if PARTS == 1:
-        result = acc / tl.where(total > 0, total, 1.0)[:, None]  # padding rows (no keys) stay zero
+        result = acc / tl.where(total > 0, total, 1.0)[:, None] * out_scale  # padding rows (no keys) stay zero
         tl.store(out + seq * stride_ob + heads[:, None] * stride_oh + v_dims[None, :] * stride_od,
                  result.to(out.dtype.element_ty), mask=head_ok[:, None] & (v_dims[None, :] < V_DIM))
     else:
@@ -314,7 +349,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
                  mask=head_ok[:, None] & (v_dims[None, :] < V_DIM))
 
 
-def _combine_kernel(out, part_max, part_sum, part_acc, stride_ob, stride_oh, stride_od,
+def _combine_kernel(out, part_max, part_sum, part_acc, out_scale, stride_ob, stride_oh, stride_od,
                     V_DIM: tl.constexpr, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, DV_PAD: tl.constexpr):
     # One program per (sequence, query head): its ranges' softmax pieces rescaled to one maximum.
     seq = tl.program_id(0).to(tl.int64)
@@ -330,9 +365,13 @@ def _combine_kernel(out, part_max, part_sum, part_acc, stride_ob, stride_oh, str
     m_all = tl.max(m, axis=0)
     weight = tl.exp2(m - tl.where(m_all > float("-inf"), m_all, 0.0))  # [P]; a padding row has no keys at all
     total = tl.sum(weight * sums, axis=0)
-    result = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)  # [Dv]
+    result = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0) * out_scale  # [Dv]
     tl.store(out + seq * stride_ob + head * stride_oh + v_dims * stride_od, result.to(out.dtype.element_ty),
              mask=v_dims < V_DIM)
+
+
+if triton is not None:  # a helper the kernels call: a JIT function (the interpreter runs its source, see _Interpreted)
+    _fp8_to_float = triton.jit(_fp8_to_float)
 
 
 def _write_kv_kernel(cache, slot_mapping, values, block_size,

@@ -25,10 +25,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.head_dim**-0.5
+        # The checkpoint's calibrated fp8 KV scales (`self_attn.k_scale`, `v_scale`), which an fp8
+        # cache takes (tandem.kv.fp8); 1.0 when it has none.
+        self.k_scale = self.v_scale = 1.0
 
     @staticmethod
     def kv_entries(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
         return (("k", (cfg.num_kv_heads, cfg.head_dim)), ("v", (cfg.num_kv_heads, cfg.head_dim)))
+
+    def kv_scales(self) -> tuple[float, ...]:
+        return self.k_scale, self.v_scale  # in kv_entries' order
 
     def forward(self, x: torch.Tensor, cos_sin, kv: LayerKV, step: StepAttention):
         t = x.shape[0]
@@ -41,6 +47,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         step.write(kv, {"k": k, "v": v})
         out = step.attend(  # [T, H, D]
-            lambda rows: paged_attention(q[rows], kv.device["k"], kv.device["v"], step.device, self.scale),
+            lambda rows: paged_attention(q[rows], kv.device["k"], kv.device["v"], step.device, self.scale,
+                                         k_scale=kv.scale("k"), v_scale=kv.scale("v")),
             lambda rows: step.attend_cpu(kv, q[rows], self.scale))
         return self.o_proj(out.reshape(t, -1))  # [T, hidden]

@@ -48,10 +48,16 @@ class MlaAttention(nn.Module):
         self.kv_b_proj = nn.Linear(d.kv_lora_rank, cfg.num_heads * (d.qk_nope_head_dim + d.v_head_dim), bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * d.v_head_dim, hidden, bias=cfg.o_proj_bias)
         self.rope = apply_rope_interleaved if d.rope_interleave else apply_rope
+        # The checkpoint's calibrated fp8 scale of the latent (`self_attn.k_scale`, as vLLM reads it
+        # for MLA; a `v_scale` is ignored), which an fp8 cache takes (tandem.kv.fp8); 1.0 when none.
+        self.k_scale = self.v_scale = 1.0
 
     @staticmethod
     def kv_entries(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
         return ((LATENT, (cfg.mla.latent_dim,)),)
+
+    def kv_scales(self) -> tuple[float, ...]:
+        return (self.k_scale,)  # the latent's
 
     def forward(self, x: torch.Tensor, cos_sin, kv: LayerKV, step: StepAttention):
         t, d = x.shape[0], self.dims
@@ -65,7 +71,8 @@ class MlaAttention(nn.Module):
         step.write(kv, {LATENT: torch.cat((c, k_pe), dim=-1)})  # [T, r + rope]
         w = self.kv_b_proj.weight
         out = step.attend(  # [T, H, v]
-            lambda rows: paged_latent_attention(q_nope[rows], q_pe[rows], kv.device[LATENT], step.device, w, d),
+            lambda rows: paged_latent_attention(q_nope[rows], q_pe[rows], kv.device[LATENT], step.device, w, d,
+                                                kv.scale(LATENT)),
             lambda rows: self._cpu_tier_attention(q_nope[rows], q_pe[rows], kv, step))
         return self.o_proj(out.reshape(t, -1))  # [T, hidden]
 

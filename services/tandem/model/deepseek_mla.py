@@ -18,30 +18,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.kv import fp8
 from tandem.kv.attention import AttentionMetadata, gather_kv, paged_attention
 from tandem.model.deepseek_config import MlaDims
 
 
 def paged_latent_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                           kv_b_weight: torch.Tensor, dims: MlaDims) -> torch.Tensor:
+                           kv_b_weight: torch.Tensor, dims: MlaDims, kv_scale: float = 1.0) -> torch.Tensor:
     """q_nope [T, H, nope], q_pe [T, H, rope] (roped), cache [blocks, block_size, r + rope] -> [T, H, v].
+    An fp8 cache holds the latent / kv_scale (tandem.kv.fp8).
 
     Sequences with one new token (decodes) take the absorbed form, the others the expanded form.
     A step of decodes only (one token per sequence: its shapes say so) takes the absorbed form
     without looking at the data, so a CUDA graph can capture it.
     """
     if meta.query_index.shape[1] == 1:
-        return absorbed_decode(q_nope, q_pe, cache, meta, kv_b_weight, dims)
+        return absorbed_decode(q_nope, q_pe, cache, meta, kv_b_weight, dims, kv_scale)
     t, h = q_nope.shape[:2]
     out = q_nope.new_empty(t, h, dims.v_head_dim)  # [T, H, v]
     single = meta.query_valid.sum(dim=1) == 1  # [B]
     if bool(single.any()):
         tokens = meta.query_index[single, 0]  # [b] each decode's position in the T tokens
         out[tokens] = absorbed_decode(q_nope[tokens], q_pe[tokens], cache, decodes_of(meta, single), kv_b_weight,
-                                      dims)
+                                      dims, kv_scale)
     if not bool(single.all()):
         sub = chunks_of(meta, ~single)
-        out[sub.query_index[sub.query_valid]] = expanded_attention(q_nope, q_pe, cache, sub, kv_b_weight, dims)
+        out[sub.query_index[sub.query_valid]] = expanded_attention(q_nope, q_pe, cache, sub, kv_b_weight, dims,
+                                                                   kv_scale)
     return out
 
 
@@ -96,20 +99,25 @@ def unabsorb_output(latent_out: torch.Tensor, kv_b_weight: torch.Tensor, dims: M
     return torch.einsum("thr,hvr->thv", latent_out, w_uv)
 
 
-def absorbed_decode(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:
+def absorbed_decode(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims,
+                    kv_scale: float = 1.0) -> torch.Tensor:
     """Attention against the latent itself, one token per sequence, through `paged_attention`: every
     head on the latent as one shared KV head, its first r numbers the value. On CUDA that is the
     Triton decode kernel, which reads the blocks in place and which a CUDA graph captures."""
     q = absorb_query(q_nope, q_pe, kv_b_weight, dims)  # [T, H, r + rope]
     latent = cache[:, :, None]  # [blocks, block_size, 1, r + rope]: one KV head for all
-    out = paged_attention(q, latent, latent[..., : dims.kv_lora_rank], meta, dims.softmax_scale)  # [T, H, r]
+    out = paged_attention(q, latent, latent[..., : dims.kv_lora_rank], meta, dims.softmax_scale,
+                          k_scale=kv_scale, v_scale=kv_scale)  # [T, H, r]
     return unabsorb_output(out, kv_b_weight, dims)  # [T, H, v]
 
 
-def expanded_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims) -> torch.Tensor:
+def expanded_attention(q_nope, q_pe, cache, meta: AttentionMetadata, kv_b_weight, dims: MlaDims,
+                       kv_scale: float = 1.0) -> torch.Tensor:
     """Project the cached latents to per-head K and V, then ordinary attention."""
     h = q_nope.shape[1]
     latent = gather_kv(cache, meta.block_tables, meta.seq_lens)  # [B, L, r + rope], zeros past each length
+    if cache.dtype == fp8.FP8:
+        latent = latent.to(q_nope.dtype) * kv_scale
     c, k_pe = latent.split((dims.kv_lora_rank, dims.qk_rope_head_dim), dim=-1)
     b, length = latent.shape[:2]
     kv = F.linear(c, kv_b_weight).view(b, length, h, -1)  # [B, L, H, nope + v]

@@ -21,6 +21,11 @@ Tandem computes activations in bf16/f32, which is more precise than that, as vLL
 weights on hardware without fp8 compute (weight-only, Marlin). Modules the config leaves unquantized
 (`ignore`, `ignored_layers`, `modules_to_not_convert`) must be unquantized in the checkpoint too.
 Unquantized tensors (embeddings, norms, the router, the LM head) pass through untouched.
+
+compressed-tensors' `kv_cache_scheme` (fp8, one static scale per tensor: `self_attn.k_scale` and
+`self_attn.v_scale` a layer, with or without quantized weights) is read by the loader
+(`tandem.model.loader`): an fp8 KV cache (--kv-cache-dtype fp8, `tandem.kv.fp8`) stores K / k_scale
+and V / v_scale; an "auto" one ignores them, as vLLM does.
 """
 
 from __future__ import annotations
@@ -95,10 +100,11 @@ def _fp8(q: dict) -> Fp8Scheme:
 
 def _compressed_tensors(q: dict) -> Fp8Scheme:
     groups = q.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
+    kv_cache = q.get("kv_cache_scheme")
+    if kv_cache:
+        _check_kv_cache_scheme(kv_cache)
+    if not isinstance(groups, dict) or (not groups and not kv_cache):
         raise ModelError("compressed-tensors quantization_config has no config_groups")
-    if q.get("kv_cache_scheme"):
-        raise ModelError("compressed-tensors kv_cache_scheme (an fp8 KV cache's scales) is not supported")
     blocks = set()
     for name, group in groups.items():
         fmt = group.get("format") or q.get("format")
@@ -120,6 +126,19 @@ def _compressed_tensors(q: dict) -> Fp8Scheme:
         raise ModelError(f"compressed-tensors config groups with different block_structures {sorted(blocks)} "
                          "are not supported")
     return Fp8Scheme("compressed-tensors", blocks.pop() if blocks else None, _names(q.get("ignore") or ()))
+
+
+def _check_kv_cache_scheme(scheme) -> None:
+    """The KV cache scheme an fp8 KV cache takes: e4m3 with a static scale per tensor (K's, V's) a layer."""
+    if not isinstance(scheme, dict):
+        raise ModelError(f"compressed-tensors kv_cache_scheme must be a mapping, got {scheme!r}")
+    kind = f"{scheme.get('type')} {scheme.get('num_bits')}-bit"
+    strategy = scheme.get("strategy") or "tensor"
+    if ((scheme.get("type"), scheme.get("num_bits")) != ("float", 8) or strategy != "tensor"
+            or scheme.get("dynamic") or not scheme.get("symmetric", True)):
+        raise ModelError(f"compressed-tensors kv_cache_scheme of {kind} numbers, strategy {strategy!r}"
+                         f"{', dynamic' if scheme.get('dynamic') else ''} is not supported; supported: float 8-bit "
+                         "(fp8), strategy 'tensor', static and symmetric: a k_scale and v_scale a layer")
 
 
 def _block(block, what: str) -> tuple[int, int]:

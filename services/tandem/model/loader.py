@@ -8,6 +8,7 @@ ModelError, not skipped: without it (a bias, a layer) the model would compute an
 from __future__ import annotations
 
 import logging
+import math
 import re
 import sys
 from collections import defaultdict
@@ -36,6 +37,10 @@ _EXPERT_KEY = re.compile(
 # Stacked tensors as transformers >= 5 may save them: (layer, name).
 _STACKED_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# A layer's calibrated fp8 KV scales: compressed-tensors' (kv_cache_scheme) and vLLM's `self_attn.k_scale`
+# and `v_scale`, and AutoFP8's older `self_attn.k_proj.output_scale` / `v_proj.output_scale`, which vLLM
+# reads as them. An fp8 KV cache takes them (tandem.kv.fp8); an "auto" one ignores them.
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
 _PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 # A shared expert's tensors, per architecture that has one.
 _SHARED_EXPERT = {"Qwen2MoeForCausalLM": re.compile(r"model\.layers\.\d+\.mlp\.shared_expert(?:_gate)?\."),
@@ -278,6 +283,9 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
         key = _model_key(name)
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        if m := _KV_SCALE.match(key):
+            _set_kv_scale(model, cfg, name, int(m[1]), m[2] or m[3], tensor)
+            continue
         if key not in params:
             if _inert(cfg, key):
                 continue
@@ -301,6 +309,18 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
     model.eval()
     quantize_dense_(model, dense_quant)
     return model, executor
+
+
+def _set_kv_scale(model: CausalLM, cfg: ModelConfig, name: str, layer: int, kind: str, tensor: torch.Tensor) -> None:
+    if layer >= cfg.num_layers:
+        raise _unexpected_tensor(cfg, name)
+    if tensor.numel() != 1 or not tensor.is_floating_point():
+        raise ModelError(f"{name}: a KV scale must be one float (per tensor), got {tensor.dtype} of shape "
+                         f"{tuple(tensor.shape)}; per-head KV scales are not supported")
+    value = float(tensor.float())
+    if not 0 < value < math.inf:
+        raise ModelError(f"{name}: a KV scale must be finite and > 0, got {value}")
+    setattr(model.model.layers[layer].self_attn, f"{kind}_scale", value)
 
 
 def load_tokenizer(model_dir: str | Path):

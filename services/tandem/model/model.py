@@ -70,6 +70,10 @@ class CausalLM(nn.Module):
     def kv_entries(self):
         return blocks_for(self.cfg)[0].kv_entries(self.cfg)
 
+    def kv_scales(self) -> tuple[tuple[float, ...], ...]:
+        """Each layer's fp8 KV scales, in kv_entries' order: the checkpoint's calibrated ones, else 1.0."""
+        return tuple(layer.self_attn.kv_scales() for layer in self.model.layers)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 step: StepAttention, max_position: int | None = None) -> torch.Tensor:

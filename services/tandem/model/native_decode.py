@@ -12,6 +12,8 @@ It serves a step when all of these hold, and the model's torch path serves it ot
 - a bfloat16 model's weights and KV cache stay bfloat16 and its residual stream is float32 in the
   native layers (llama.cpp's choice): its hidden states and logits match the float32 computation
   over the bf16 weights, closer to it than the torch path's bf16 arithmetic;
+- an fp8 KV cache (--kv-cache-dtype fp8, tandem.kv.fp8) is written and read here with the cache's
+  scales, which each native layer takes from the cache it is called with;
 - the step is decode only, every sequence on the device tier, at most `max_tokens` tokens.
 
 Where the experts run decides how much one call does:
@@ -224,8 +226,9 @@ class NativeDecode:
         cos, sin = (c.contiguous() for c in cos_sin)
         window = meta.sliding_window or 0
         self.steps += 1
+        caches = self._device_caches(cache)
         if self.natives is not None:
-            args = (self.natives, x, cos, sin, *self._device_caches(cache), meta.slot_mapping, meta.block_tables,
+            args = (self.natives, x, cos, sin, *caches, meta.slot_mapping, meta.block_tables,
                     meta.seq_lens, window, self.final_norm, self.final_eps)
             done = self._one_call(self.decode_layers, *args)
             if done is not None:
@@ -265,9 +268,11 @@ class NativeDecode:
 
     def _device_caches(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Every layer's device-tier K and V caches, listed once per cache (a decode step's Python is
-        paid once a token)."""
+        paid once a token); the native layers take the cache's scales then."""
         if self._caches is None or self._caches[0] is not cache:
             layers = [cache.layer(i, DEVICE) for i in range(len(self.layers))]
+            for layer, scales in zip(self.layers, cache.scales):
+                layer.native.k_scale, layer.native.v_scale = scales["k"], scales["v"]
             self._caches = (cache, [layer["k"] for layer in layers], [layer["v"] for layer in layers])
         return self._caches[1], self._caches[2]
 

@@ -15,6 +15,8 @@ F = contract.SERVE_FLAGS
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `serve` subcommand to a `tandem` argparse subparsers object."""
+    from tandem.cli import add_dense_quant_arg, add_kv_cache_dtype_arg, add_page_lock_arg
+
     p = subparsers.add_parser(
         "serve", help="serve the gRPC Inference API (or, with --role experts, the Experts API)",
         description="Serve a model over gRPC with health, reflection and Prometheus /metrics.")
@@ -48,6 +50,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(F["gpu_memory_fraction"], type=float, default=0.9,
                    help="share of free GPU memory for the device KV tier (default 0.9)")
     p.add_argument(F["cpu_kv_gib"], type=float, default=1.0, help="GiB of CPU-tier KV (default 1)")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--num-device-blocks", type=int,
                    help="KV blocks of the device tier, instead of sizing it from the device's free memory")
     p.add_argument(F["cpu_decode"], action=argparse.BooleanOptionalAction, default=True,
@@ -59,8 +62,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(F["experts_gguf"], metavar="FILE",
                    help="take the routed experts from this llama.cpp GGUF file (Q4_0, Q4_K, Q8_0, ...; its types "
                         "decide their format, so not with --expert-quant), the rest of the model from --model")
-    from tandem.cli import add_dense_quant_arg, add_page_lock_arg
-
     add_dense_quant_arg(p)
     add_page_lock_arg(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="largest running batch (default 64)")
@@ -102,6 +103,7 @@ def options_from_args(args):
         experts=args.experts, kv_shm=args.kv_shm, experts_shm=args.experts_shm, device=args.device, dtype=args.dtype,
         threads=args.threads,
         block_size=args.block_size, gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_device_blocks=args.num_device_blocks, cpu_decode=args.cpu_decode,
         expert_quant=args.expert_quant, experts_gguf=args.experts_gguf, dense_quant=args.dense_quant,
         max_num_seqs=args.max_num_seqs,

@@ -2,8 +2,9 @@
 
 The attention process owns the KV block metadata and writes the CPU tier into shared-memory
 files (`--kv-shm PATH` gives `PATH.k`, `PATH.v`, as `tandem.kv.cache` lays them out). Next to
-them it publishes the tier's layout (`PATH.layout.json`), so the experts process maps the same
-bytes without loading the model: a CpuAttention request carries only queries, block tables and
+them it publishes the tier's layout (`PATH.layout.json`: entries, dtype and, for an fp8 tier,
+each layer's scales), so the experts process maps the same bytes and reads them as they were
+written, without loading the model: a CpuAttention request carries only queries, block tables and
 lengths, never KV data. The engine's runner sends it the attention of every sequence offloaded
 to the CPU tier (`tandem.kv.tiered`); for DeepSeek's latent cache the queries come absorbed and
 no weights are needed here.
@@ -18,13 +19,15 @@ from pathlib import Path
 
 import torch
 
+from tandem.kv import fp8
 from tandem.kv.attention import AttentionMetadata
 from tandem.kv.tiered import attend_cpu_tier
-from tandem.kv.cache import CPU
+from tandem.kv.cache import CPU, KVLayout
 from tandem.rpc.gen import experts_pb2
 from tandem.rpc.tensors import DTYPES, BadTensor, from_proto
 
 LAYOUT_SUFFIX = ".layout.json"
+KV_DTYPES = {**DTYPES, "float8_e4m3fn": fp8.FP8}  # a tier's dtype by its name in the layout
 
 
 class KVNotShared(RuntimeError):
@@ -43,6 +46,7 @@ def publish_layout(cache, shm_path: str | Path) -> Path:
         "num_blocks": cache.num_blocks(CPU),
         "block_size": cache.block_size,
         "dtype": str(cache.layout.dtype).removeprefix("torch."),
+        "scales": [list(s) for s in cache.layout.scales],  # per layer, an fp8 tier's; [] for 1.0
     }
     path = layout_path(shm_path)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
@@ -87,7 +91,12 @@ class SharedCpuKV:
 
     def _map(self, path: Path):
         layout = json.loads(path.read_text())
-        dtype = DTYPES[layout["dtype"]]
+        dtype = KV_DTYPES[layout["dtype"]]
+        entries = tuple((name, tuple(shape)) for name, shape in layout["entries"])
+        scales = tuple(tuple(s) for s in layout.get("scales", ()))  # checked as the attention side made them
+        # added to the layout as read: each layer's {entry: scale}, what attend_cpu_tier takes
+        layout["layer_scales"] = [KVLayout(entries, layout["num_layers"], dtype, scales).entry_scales(i)
+                                  for i in range(layout["num_layers"])]
         tensors = {}
         for name, shape in layout["entries"]:
             full = (layout["num_layers"], layout["num_blocks"], layout["block_size"], *shape)
@@ -122,7 +131,10 @@ class CpuAttention:
                                        request.sliding_window or None)
         scale = request.scale or 1.0 / math.sqrt(query.shape[-1])
         dtype = next(iter(layer.values())).dtype
-        out = attend_cpu_tier(layer, query.to(dtype), meta, scale, request.value_dim)
+        if dtype == fp8.FP8:  # the kernels read fp8 blocks with a query of the model's dtype
+            dtype = query.dtype
+        out = attend_cpu_tier(layer, query.to(dtype), meta, scale, request.value_dim,
+                              layout["layer_scales"][request.layer])
         return out.to(query.dtype)
 
     @staticmethod

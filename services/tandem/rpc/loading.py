@@ -52,6 +52,7 @@ def engine_config(opts) -> EngineConfig:
     values = {
         "block_size": opts.block_size, "gpu_memory_fraction": opts.gpu_memory_fraction,
         "cpu_kv_gib": opts.cpu_kv_gib, "kv_shm_path": opts.kv_shm, "max_num_seqs": opts.max_num_seqs,
+        "kv_cache_dtype": opts.kv_cache_dtype,
         "max_num_batched_tokens": opts.max_num_batched_tokens,
         "max_model_len": opts.max_model_len, "max_waiting": opts.max_waiting,
         "num_device_blocks": opts.num_device_blocks, "cpu_decode": opts.cpu_decode,

@@ -50,7 +50,8 @@ INFERENCE_OPTIONS = (("grpc.max_receive_message_length", REQUEST_LIMIT), *EXCLUS
 
 # What only the engine (--role all, attention) reads, by ServeOptions field. --block-size and
 # --cpu-kv-gib are not here: the operator renders them for both roles of a pair, and the experts
-# role takes the CPU tier's layout from the file the attention role publishes.
+# role takes the CPU tier's layout from the file the attention role publishes (its dtype and an fp8
+# tier's scales too: --kv-cache-dtype is the attention role's).
 ENGINE_ONLY_FLAGS = {
     "dense_quant": contract.DENSE_QUANT_FLAG, "gpu_memory_fraction": contract.SERVE_FLAGS["gpu_memory_fraction"],
     "num_device_blocks": "--num-device-blocks", "cpu_decode": contract.SERVE_FLAGS["no_cpu_decode"],
@@ -58,6 +59,7 @@ ENGINE_ONLY_FLAGS = {
     "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
     "max_waiting": "--max-waiting", "expert_timeout_s": "--expert-timeout", "enforce_eager": "--enforce-eager",
     "num_scheduler_steps": contract.SERVE_FLAGS["num_scheduler_steps"],
+    "kv_cache_dtype": contract.SERVE_FLAGS["kv_cache_dtype"],
 }
 
 
@@ -79,6 +81,7 @@ class ServeOptions:
     block_size: int = 16
     gpu_memory_fraction: float = 0.9
     cpu_kv_gib: float = 1.0
+    kv_cache_dtype: str = "auto"  # the KV cache's dtype, both tiers (tandem.kv.fp8)
     num_device_blocks: int | None = None  # None: sized from the device's memory
     cpu_decode: bool = True
     expert_quant: str = "none"
@@ -125,6 +128,9 @@ class ServeOptions:
                              f"process names), not --role {self.role}")
         if self.dense_quant not in contract.DENSE_QUANTS:
             raise ValueError(f"--dense-quant must be one of {', '.join(contract.DENSE_QUANTS)}")
+        if self.kv_cache_dtype not in contract.KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(contract.KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.num_device_blocks is not None and self.num_device_blocks < 1:
             raise ValueError(f"--num-device-blocks must be at least 1, got {self.num_device_blocks}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

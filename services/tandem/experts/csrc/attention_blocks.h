@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <immintrin.h>
+
 // The helpers below take and return vectors wider than baseline x86-64's registers; they are all
 // inlined into the builds, so no vector crosses a call and GCC's ABI notes do not apply. (Not
 // popped: GCC instantiates the templates at the end of the including file.)
@@ -29,6 +31,12 @@ typedef float v4f __attribute__((vector_size(16)));
 
 template <class V>
 constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+
+// Bytes and unsigned 32-bit integers as many as a vector's lanes (fp8 conversion).
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+typedef uint8_t v4b __attribute__((vector_size(4)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
 
 #define TANDEM_INLINE __attribute__((always_inline)) inline
 
@@ -255,10 +263,64 @@ TANDEM_INLINE void block_values_v(float* acc, int64_t Hkv, int64_t g, int64_t Dv
   }
 }
 
+// e4m3 bytes (float8_e4m3fn: an fp8 KV cache's numbers) as float, exactly as c10 converts them.
+//
+// With F16C (every AVX2 and AVX-512 CPU): the byte's sign, exponent and mantissa moved into a
+// float16's, which then holds the value times 2^-8 (float16's exponent bias is 15, e4m3's 7; e4m3's
+// subnormals land on float16's), widened by vcvtph2ps and multiplied by 2^8; 0x7f NaN. On Zen 1 at
+// AVX2, 0.20 ns a number against 0.49 for a 256-entry table and 0.65 for building the float's bits
+// with integer operations, which the baseline build does: a normal number's exponent rebiased
+// (7 -> 127), a subnormal's mantissa times 2^-9.
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+template <class VH>
+TANDEM_INLINE VH fp8_half_bits(VH x) {
+  const VH mag = x & 0x7f;
+  return mag == 0x7f ? VH{} + 0x7e00 : (mag << 7) | ((x & 0x80) << 8);
+}
+
+__attribute__((target("avx512f"), always_inline)) inline v16f fp8_vector(const uint8_t* p, v16f) {
+  v16b b;
+  std::memcpy(&b, p, sizeof b);
+  const v16h h = fp8_half_bits(__builtin_convertvector(b, v16h));
+  __m256i hi;
+  std::memcpy(&hi, &h, sizeof hi);
+  const __m512 f = _mm512_cvtph_ps(hi);
+  v16f out;
+  std::memcpy(&out, &f, sizeof out);
+  return out * 256.f;
+}
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline v8f fp8_vector(const uint8_t* p, v8f) {
+  v8b b;
+  std::memcpy(&b, p, sizeof b);
+  const v8h h = fp8_half_bits(__builtin_convertvector(b, v8h));
+  __m128i hi;
+  std::memcpy(&hi, &h, sizeof hi);
+  const __m256 f = _mm256_cvtph_ps(hi);
+  v8f out;
+  std::memcpy(&out, &f, sizeof out);
+  return out * 256.f;
+}
+TANDEM_INLINE v4f fp8_vector(const uint8_t* p, v4f) {
+  v4b b;
+  std::memcpy(&b, p, sizeof b);
+  const v4u x = __builtin_convertvector(b, v4u);
+  const v4u mag = x & 0x7f;
+  const v4u normal = (mag << 20) + (120u << 23);
+  const v4f sub_value = __builtin_convertvector(x & 7, v4f) * (1.f / 512);
+  v4u sub;
+  std::memcpy(&sub, &sub_value, sizeof sub);
+  const v4u bits = (mag == 0x7f ? v4u{} + 0x7fc00000u : (mag >> 3) == 0 ? sub : normal) | ((x & 0x80) << 24);
+  v4f out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
 // The three builds of each kernel (see the top of this file).
 #define TANDEM_BUILDS(name, params, args)                                         \
   __attribute__((target("avx512f"))) void name params { name##_v<v16f> args; }  \
-  __attribute__((target("avx2,fma"))) void name params { name##_v<v8f> args; } \
+  __attribute__((target("avx2,fma,f16c"))) void name params { name##_v<v8f> args; } \
   __attribute__((target("default"))) void name params { name##_v<v4f> args; }
 
 TANDEM_BUILDS(block_scores,
@@ -271,6 +333,28 @@ TANDEM_BUILDS(block_values,
               (float* acc, int64_t Hkv, int64_t g, int64_t Dv, const float* v, int64_t v_stride, int64_t kv_stride,
                int64_t n, const char* next, int64_t row_bytes, const float* p, int64_t p_stride),
               (acc, Hkv, g, Dv, v, v_stride, kv_stride, n, next, row_bytes, p, p_stride))
+
+// dst[i] = the float of the e4m3 byte src[i], i < n, a vector at a time. Its builds are written out:
+// each inlines its own target's fp8_vector, which a template compiled for no target could not.
+#define TANDEM_FP8_TO_FLOAT(V)                                           \
+  {                                                                      \
+    constexpr int64_t L = kLanes<V>;                                     \
+    int64_t i = 0;                                                       \
+    for (; i + L <= n; i += L) store(dst + i, fp8_vector(src + i, V{})); \
+    if (i < n) { /* the tail, through one vector */                      \
+      uint8_t tail[L] = {};                                              \
+      std::memcpy(tail, src + i, n - i);                                 \
+      const V x = fp8_vector(tail, V{});                                 \
+      std::memcpy(dst + i, &x, (n - i) * sizeof(float));                 \
+    }                                                                    \
+  }
+__attribute__((target("avx512f"))) void fp8_to_float(const uint8_t* src, int64_t n, float* dst)
+    TANDEM_FP8_TO_FLOAT(v16f)
+__attribute__((target("avx2,fma,f16c"))) void fp8_to_float(const uint8_t* src, int64_t n, float* dst)
+    TANDEM_FP8_TO_FLOAT(v8f)
+__attribute__((target("default"))) void fp8_to_float(const uint8_t* src, int64_t n, float* dst)
+    TANDEM_FP8_TO_FLOAT(v4f)
+#undef TANDEM_FP8_TO_FLOAT
 
 #undef TANDEM_BUILDS
 #undef TANDEM_INLINE

@@ -11,8 +11,9 @@
 //
 // Scope: grouped-query attention with rotate-half RoPE, then routed experts (Mixtral, Qwen3-MoE),
 // routed experts beside a sigmoid-gated shared expert (Qwen2-MoE), or a dense SwiGLU MLP (Llama,
-// Qwen2-MoE's dense layers); float32 activations, a float32 or bfloat16 KV cache, dense weights f32,
-// bf16 or int8, experts in any kind moe_forward takes. A bf16 model's residual stream is float32
+// Qwen2-MoE's dense layers); float32 activations, a float32, bfloat16 or fp8 (e4m3, with the layer's
+// k_scale and v_scale: tandem.kv.fp8) KV cache, dense weights f32, bf16 or int8, experts in any kind
+// moe_forward takes. A bf16 model's residual stream is float32
 // here, as llama.cpp keeps it: its weights and KV cache stay bf16, the arithmetic is float32.
 // Experts that live in the split deployment's experts process are either called from here over
 // the data plane (`decode_layers` with a connection), or `attention` stops at the router and the
@@ -120,27 +121,47 @@ void rope(float* x, int64_t T, int64_t heads, int64_t D, const float* cos, const
   }
 }
 
-// Rows [T, heads * D] into cache [blocks, block_size, heads, D] (any strides, last dim
-// contiguous) at slots[t] = block * block_size + offset; a bf16 cache takes them rounded to
-// nearest even, as torch's `.to(torch.bfloat16)`.
+constexpr float kFp8Max = 448.f;  // e4m3's largest finite number
+
+// One number as the cache stores it: a bf16 cache rounds to nearest even, as torch's
+// `.to(torch.bfloat16)`; an fp8 one stores x times 1 / scale saturated at +-448, then rounded, as
+// tandem.kv.fp8.quantize (NaN stays NaN).
 template <typename C>
-void write_cache_as(const float* rows, int64_t T, int64_t heads, int64_t D, at::Tensor& cache, const int64_t* slots) {
+inline C stored(float x, float) {
+  return static_cast<C>(x);
+}
+template <>
+inline at::Float8_e4m3fn stored<at::Float8_e4m3fn>(float x, float inv_scale) {
+  const float y = x * inv_scale;
+  return at::Float8_e4m3fn(y > kFp8Max ? kFp8Max : y < -kFp8Max ? -kFp8Max : y);
+}
+
+// Rows [T, heads * D] into cache [blocks, block_size, heads, D] (any strides, last dim
+// contiguous) at slots[t] = block * block_size + offset, as `stored` makes them.
+template <typename C>
+void write_cache_as(const float* rows, int64_t T, int64_t heads, int64_t D, at::Tensor& cache, const int64_t* slots,
+                    float inv_scale) {
   const int64_t bs = cache.size(1), s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
   C* base = cache.data_ptr<C>();
   for (int64_t t = 0; t < T; ++t) {
     C* dst = base + (slots[t] / bs) * s0 + (slots[t] % bs) * s1;
     for (int64_t h = 0; h < heads; ++h) {
       const float* src = rows + (t * heads + h) * D;
-      for (int64_t i = 0; i < D; ++i) dst[h * s2 + i] = static_cast<C>(src[i]);
+      for (int64_t i = 0; i < D; ++i) dst[h * s2 + i] = stored<C>(src[i], inv_scale);
     }
   }
 }
 
-void write_cache(const float* rows, int64_t T, int64_t heads, int64_t D, at::Tensor& cache, const int64_t* slots) {
+// scale: an fp8 cache's (others ignore it).
+void write_cache(const float* rows, int64_t T, int64_t heads, int64_t D, at::Tensor& cache, const int64_t* slots,
+                 double scale) {
+  const float inv_scale = static_cast<float>(1.0 / scale);  // as Python's 1.0 / scale, then float32
   if (cache.scalar_type() == at::kFloat)
-    write_cache_as<float>(rows, T, heads, D, cache, slots);
+    write_cache_as<float>(rows, T, heads, D, cache, slots, inv_scale);
+  else if (cache.scalar_type() == at::kBFloat16)
+    write_cache_as<at::BFloat16>(rows, T, heads, D, cache, slots, inv_scale);
   else
-    write_cache_as<at::BFloat16>(rows, T, heads, D, cache, slots);
+    write_cache_as<at::Float8_e4m3fn>(rows, T, heads, D, cache, slots, inv_scale);
 }
 
 // Row `row` of a float32 or bfloat16 matrix [rows, n] (an embedding) into out [n] as float32.
@@ -231,11 +252,14 @@ struct DecodeLayer {
   int64_t expert_kind = 0, group = 32;
   at::Tensor gate_up, gate_up_scale, gate_up_min, down, down_scale, down_min;
   int64_t layer = 0;  // the model's layer index: the data plane's frames name it
+  double k_scale = 1.0, v_scale = 1.0;  // an fp8 KV cache's scales (tandem.kv.fp8); others ignore them
 
   // Everything the layer holds, checked once (the Python side calls this after filling it in).
   void check() const {
     TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0,
                 "DecodeLayer: bad head layout");
+    TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+                "DecodeLayer: k_scale and v_scale must be finite and > 0");
     for (const at::Tensor* w : {&input_norm, &post_norm})
       TORCH_CHECK(w->defined() && w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == hidden,
                   "DecodeLayer: norm weights must be contiguous f32 [hidden]");
@@ -277,7 +301,7 @@ struct DecodeLayer {
 
   // The attention half of one decode step of T tokens (one per sequence), up to the router.
   // x [T, hidden] f32 is the residual stream, updated in place (attention output added);
-  // cos/sin [T, head_dim]; caches [blocks, block_size, kv_heads, head_dim] f32 or bf16; slots [T],
+  // cos/sin [T, head_dim]; caches [blocks, block_size, kv_heads, head_dim] f32, bf16 or fp8; slots [T],
   // block_tables [T, max_blocks], seq_lens [T] int64. Returns the experts' input
   // (post-attention RMSNorm of x) [T, hidden], the experts each token goes to, ids [T, top_k]
   // int64, and their weights [T, top_k] f32: what an expert executor takes. A shared expert is
@@ -349,10 +373,12 @@ struct DecodeLayer {
                     sin.is_contiguous() && cos.numel() == T * head_dim && sin.numel() == T * head_dim,
                 "DecodeLayer: cos and sin must be contiguous f32 [T, head_dim]");
     for (const at::Tensor* c : {&k_cache, &v_cache})
-      TORCH_CHECK((c->scalar_type() == at::kFloat || c->scalar_type() == at::kBFloat16) &&
+      TORCH_CHECK((c->scalar_type() == at::kFloat || c->scalar_type() == at::kBFloat16 ||
+                   c->scalar_type() == at::kFloat8_e4m3fn) &&
                       c->scalar_type() == k_cache.scalar_type() && c->dim() == 4 && c->size(2) == kv_heads &&
                       c->size(3) == head_dim && c->stride(3) == 1,
-                  "DecodeLayer: caches must be f32 or bf16 (both alike) [blocks, block_size, kv_heads, head_dim]");
+                  "DecodeLayer: caches must be f32, bf16 or float8_e4m3fn (both alike) "
+                  "[blocks, block_size, kv_heads, head_dim]");
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T &&
                     seq_lens.scalar_type() == at::kLong && seq_lens.numel() == T &&
                     block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == T,
@@ -381,12 +407,12 @@ struct DecodeLayer {
     }
     rope(qb.data_ptr<float>(), T, heads, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
     rope(kb.data_ptr<float>(), T, kv_heads, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
-    write_cache(kb.data_ptr<float>(), T, kv_heads, head_dim, k_cache, sp);
-    write_cache(vb.data_ptr<float>(), T, kv_heads, head_dim, v_cache, sp);
+    write_cache(kb.data_ptr<float>(), T, kv_heads, head_dim, k_cache, sp, k_scale);
+    write_cache(vb.data_ptr<float>(), T, kv_heads, head_dim, v_cache, sp, v_scale);
     clock.mark(kRopeCache);
     at::Tensor attn = at::empty({T, heads, head_dim}, f32);
     paged_decode_attention_f32(qb.view({T, heads, head_dim}), k_cache, v_cache, block_tables, seq_lens, scale,
-                               sliding_window, attn);
+                               sliding_window, k_scale, v_scale, attn);
     clock.mark(kAttend);
     at::Tensor ob = at::empty({T, hidden}, f32);
     o(attn.view({T, qw}), ob);
@@ -647,6 +673,8 @@ void bind_decode_layer(pybind11::module& m) {
       .def_readwrite("down_scale", &DecodeLayer::down_scale)
       .def_readwrite("down_min", &DecodeLayer::down_min)
       .def_readwrite("layer", &DecodeLayer::layer)
+      .def_readwrite("k_scale", &DecodeLayer::k_scale)
+      .def_readwrite("v_scale", &DecodeLayer::v_scale)
       .def("check", &DecodeLayer::check)
       .def("attention", &DecodeLayer::attention, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),

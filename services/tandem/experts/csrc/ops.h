@@ -26,10 +26,10 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
                           const std::vector<at::Tensor>& scales, std::vector<at::Tensor>& outs);
 
 // out [B, H, Dv] = paged decode attention of q [B, H, D] (see paged_attention.cpp): q and out
-// float32, the caches float32 or bfloat16.
+// float32, the caches float32, bfloat16 or float8_e4m3fn (holding K / k_scale and V / v_scale).
 void paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                int64_t sliding_window, at::Tensor& out);
+                                int64_t sliding_window, double k_scale, double v_scale, at::Tensor& out);
 
 // The routed experts of one MoE layer computed by the experts process over the data plane's
 // connection fd (data_plane.cpp): sends hidden [T, H] f32, ids [T, k] int64 and weights [T, k]

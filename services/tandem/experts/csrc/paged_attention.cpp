@@ -12,6 +12,10 @@
 // latent cache, whose first Dv numbers are the value); block_tables [B, max_blocks] int64;
 // seq_lens [B] int64. Query head h reads KV head h / (H / Hkv). Registered as the torch op
 // tandem::paged_decode_attention.
+//
+// An fp8 cache (float8 e4m3, tandem.kv.fp8: --kv-cache-dtype fp8) holds K / k_scale and V / v_scale,
+// with a query of any float dtype. Its blocks are converted to float as bf16 ones are, and the scales
+// folded: the query is multiplied by scale * k_scale, the output by v_scale.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -39,7 +43,7 @@ inline float to_float(at::Half x) { return static_cast<float>(x); }
 
 // A block's rows [n] of `heads` vectors of `width` (row stride `stride`, head stride
 // `head_stride` elements) as float32: in place for float caches (strides unchanged), else
-// converted into buf [n, heads, width] (bf16/fp16 caches).
+// converted into buf [n, heads, width] (bf16/fp16/fp8 caches).
 template <typename T>
 inline const float* rows_as_float(const T* src, int64_t stride, int64_t head_stride, int64_t n, int64_t heads,
                                   int64_t width, float* buf, int64_t* out_stride, int64_t* out_head_stride) {
@@ -47,6 +51,23 @@ inline const float* rows_as_float(const T* src, int64_t stride, int64_t head_str
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < width; ++i)
         buf[(t * heads + h) * width + i] = to_float(src[t * stride + h * head_stride + i]);
+  *out_stride = heads * width;
+  *out_head_stride = width;
+  return buf;
+}
+// fp8 rows: converted by vectors (fp8_to_float), a whole block at once where its heads are contiguous.
+template <>
+inline const float* rows_as_float<at::Float8_e4m3fn>(const at::Float8_e4m3fn* src, int64_t stride, int64_t head_stride,
+                                                     int64_t n, int64_t heads, int64_t width, float* buf,
+                                                     int64_t* out_stride, int64_t* out_head_stride) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(src);
+  if (head_stride == width && stride == heads * width) {
+    tandem::attention::fp8_to_float(bytes, n * heads * width, buf);
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        tandem::attention::fp8_to_float(bytes + t * stride + h * head_stride, width, buf + (t * heads + h) * width);
+  }
   *out_stride = heads * width;
   *out_head_stride = width;
   return buf;
@@ -61,7 +82,7 @@ inline const float* rows_as_float<float>(const float* src, int64_t stride, int64
 
 // Where the next block of the range [pos, hi) starts in a float cache (row `slot` 0), to
 // prefetch while this one is computed; nullptr when there is none or the cache is not float
-// (bf16/fp16 blocks go through a conversion buffer).
+// (other blocks go through a conversion buffer).
 template <typename T>
 inline const char* next_block(const T* base, int64_t block_stride, const int64_t* table, int64_t pos, int64_t hi,
                               int64_t bs) {
@@ -90,10 +111,12 @@ float* scratch(int slot, int64_t size) {
 }
 
 // Q: the query's and output's element type; T: the caches' (float32 queries over a bf16 cache
-// are the native decode layer's, tandem::paged_decode_attention_f32).
+// are the native decode layer's, tandem::paged_decode_attention_f32; any query over an fp8 one).
+// k_scale and v_scale: an fp8 cache's (1 for others).
 template <typename Q, typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
-                      const at::Tensor& lens, double scale, int64_t window, at::Tensor& out) {
+                      const at::Tensor& lens, double scale, int64_t window, double k_scale, double v_scale,
+                      at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k.size(1), Hkv = k.size(2), Dv = v.size(3);
   const int64_t group = H / Hkv;
@@ -107,7 +130,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   const int64_t ts0 = tables.stride(0), os0 = out.stride(0), os1 = out.stride(1);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale * k_scale), vscale = static_cast<float>(v_scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Work items are (sequence, chunk of its blocks). A thread scores a chunk block by block for
@@ -180,7 +203,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       for (int64_t h = 0; h < H; ++h) {
         if (chunks == 1) {  // the whole sequence: normalise into out
           Q* dst = op + b * os0 + h * os1;
-          const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+          const float inv = l[h] > 0.f ? vscale / l[h] : 0.f;
           for (int64_t i = 0; i < Dv; ++i) dst[i] = static_cast<Q>(acc[h * Dv + i] * inv);
         } else {  // empty chunks (m = -inf, past the end or before the window) merge to nothing
           float* ph = part.at(b, c, h);
@@ -213,7 +236,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         }
       }
       Q* dst = op + b * os0 + h * os1;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = l > 0.f ? vscale / l : 0.f;
       for (int64_t i = 0; i < Dv; ++i) dst[i] = static_cast<Q>(acc[i] * inv);
     }
   });
@@ -221,13 +244,17 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t sliding_window) {
+                                  int64_t sliding_window, double k_scale, double v_scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode_attention: q [B, H, D], "
               "k_cache [blocks, block_size, Hkv, D], v_cache [blocks, block_size, Hkv, Dv]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: q, k_cache and v_cache must share a dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 ? v_cache.scalar_type() == at::kFloat8_e4m3fn
+                  : q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q, k_cache and v_cache must share a dtype, or both caches be float8_e4m3fn");
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+              "paged_decode_attention: k_scale and v_scale must be finite and > 0");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "paged_decode_attention: the last dimension must be contiguous");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && v_cache.size(2) == k_cache.size(2) &&
@@ -245,10 +272,28 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "paged_decode_attention: float64 is not supported");
+    } else if (fp8) {
+      decode_attention<scalar_t, at::Float8_e4m3fn>(q, k_cache, v_cache, tables, lens, scale, sliding_window, k_scale,
+                                                    v_scale, out);
     } else {
-      decode_attention<scalar_t, scalar_t>(q, k_cache, v_cache, tables, lens, scale, sliding_window, out);
+      decode_attention<scalar_t, scalar_t>(q, k_cache, v_cache, tables, lens, scale, sliding_window, 1.0, 1.0, out);
     }
   });
+  return out;
+}
+
+// The float of each e4m3 byte of x (any shape), through the kernel's own conversion (its tests
+// compare it with torch's).
+at::Tensor fp8_e4m3_to_float(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat8_e4m3fn || x.scalar_type() == at::kByte),
+              "fp8_e4m3_to_float: a CPU float8_e4m3fn or uint8 tensor");
+  const at::Tensor bytes = x.contiguous().view(at::kFloat8_e4m3fn);
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const int64_t n = bytes.numel();
+  int64_t stride, head_stride;
+  const float* values = rows_as_float(bytes.data_ptr<at::Float8_e4m3fn>(), n, n, n ? 1 : 0, 1, n,
+                                      out.data_ptr<float>(), &stride, &head_stride);
+  TORCH_CHECK(values == out.data_ptr<float>());
   return out;
 }
 
@@ -258,21 +303,27 @@ namespace tandem {
 
 void paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                int64_t sliding_window, at::Tensor& out) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
-                  k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
-              "paged_decode_attention_f32: float32 query and output, float32 or bfloat16 caches");
-  if (k_cache.scalar_type() == at::kFloat)
-    decode_attention<float, float>(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out);
+                                int64_t sliding_window, double k_scale, double v_scale, at::Tensor& out) {
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && kv == v_cache.scalar_type() &&
+                  (kv == at::kFloat || kv == at::kBFloat16 || kv == at::kFloat8_e4m3fn),
+              "paged_decode_attention_f32: float32 query and output, float32, bfloat16 or float8_e4m3fn caches");
+  if (kv == at::kFloat)
+    decode_attention<float, float>(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, 1.0, 1.0, out);
+  else if (kv == at::kBFloat16)
+    decode_attention<float, at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, 1.0,
+                                          1.0, out);
   else
-    decode_attention<float, at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out);
+    decode_attention<float, at::Float8_e4m3fn>(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
+                                               k_scale, v_scale, out);
 }
 
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int sliding_window) -> Tensor");
+        "float scale, int sliding_window, float k_scale=1.0, float v_scale=1.0) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+  m.def("fp8_e4m3_to_float(Tensor x) -> Tensor");
+  m.impl("fp8_e4m3_to_float", c10::DispatchKey::CPU, TORCH_FN(fp8_e4m3_to_float));
 }
