@@ -66,18 +66,40 @@ def prompt_from_proto(request: inference_pb2.GenerateRequest) -> str | list[int]
         raise InvalidRequest(given[0], f"give one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
     if not given:
         raise InvalidRequest("prompt", "empty prompt: give prompt, prompt_token_ids or messages")
-    if not request.messages and request.HasField("add_generation_prompt"):
-        raise InvalidRequest("add_generation_prompt", "applies to messages only")
-    if not request.messages and request.continue_final_message:
-        raise InvalidRequest("continue_final_message", "applies to messages only")
+    chat = chat_from_proto(request)
     if request.prompt_token_ids:
         return list(request.prompt_token_ids)
-    if request.prompt:
-        return request.prompt
+    return request.prompt or chat
+
+
+def chat_from_proto(request: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest) -> ChatPrompt | None:
+    """The request's conversation (None without messages); InvalidRequest naming a chat field set
+    without messages."""
+    if not request.messages:
+        if request.HasField("add_generation_prompt"):
+            raise InvalidRequest("add_generation_prompt", "applies to messages only")
+        if request.continue_final_message:
+            raise InvalidRequest("continue_final_message", "applies to messages only")
+        return None
     add_generation_prompt = (request.add_generation_prompt if request.HasField("add_generation_prompt")
                              else not request.continue_final_message)
     return ChatPrompt([ChatMessage(m.role, m.content) for m in request.messages], add_generation_prompt,
                       request.continue_final_message)
+
+
+def tokenize_prompt(request: inference_pb2.TokenizeRequest):
+    """What Tokenize encodes, as a callable of the engine: the conversation, or the text (with the
+    tokenizer's special tokens unless add_special_tokens is false); InvalidRequest naming the field
+    for text and messages together, or a field that does not apply."""
+    chat = chat_from_proto(request)
+    if chat is not None:
+        if request.text:
+            raise InvalidRequest("text", "give one of text and messages, not both")
+        if request.HasField("add_special_tokens"):
+            raise InvalidRequest("add_special_tokens", "applies to text only: a chat template writes its own")
+        return chat
+    add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    return lambda engine: engine.encode(request.text, add_special_tokens=add_special_tokens)
 
 
 def response_from_output(out: RequestOutput) -> inference_pb2.GenerateResponse:
@@ -156,13 +178,32 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Tokenize(self, request, context):
         try:
-            loop = self._engine_loop()
-            if loop.engine.tokenizer is None:
-                raise NoTokenizer("this model has no tokenizer; send prompt_token_ids instead")
-            ids = await asyncio.to_thread(loop.engine.encode, request.text)  # the tokenizer lets go of the GIL
+            engine = self._tokenizing_engine()
+            ids = await asyncio.to_thread(tokenize_prompt(request), engine)  # the tokenizer lets go of the GIL
         except Exception as exc:  # noqa: BLE001
             await context.abort(*status_of(exc))
-        return inference_pb2.TokenizeResponse(token_ids=ids)
+        strs = [engine.tokenizer.id_to_token(i) or "" for i in ids] if request.return_token_strs else []
+        return inference_pb2.TokenizeResponse(token_ids=ids, token_strs=strs, max_model_len=engine.max_model_len)
+
+    async def Detokenize(self, request, context):
+        try:
+            engine = self._tokenizing_engine()
+            ids = list(request.token_ids)
+            vocab = engine.model_config.vocab_size
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequest("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+            skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            text = await asyncio.to_thread(engine.tokenizer.decode, ids, skip_special_tokens=skip)
+        except Exception as exc:  # noqa: BLE001
+            await context.abort(*status_of(exc))
+        return inference_pb2.DetokenizeResponse(text=text)
+
+    def _tokenizing_engine(self):
+        engine = self._engine_loop().engine
+        if engine.tokenizer is None:
+            raise NoTokenizer("this model has no tokenizer; send and read token ids instead")
+        return engine
 
     async def GetModelInfo(self, request, context):
         try:

@@ -46,6 +46,11 @@ class InferenceStub:
                 request_serializer=tandem_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/tandem.v1.Inference/Detokenize',
+                request_serializer=tandem_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/tandem.v1.Inference/GetModelInfo',
                 request_serializer=tandem_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
@@ -71,7 +76,15 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Encodes text with the model's tokenizer (FAILED_PRECONDITION when it has none).
+        """Encodes text, or a conversation with the chat template, as Generate would encode it
+        (FAILED_PRECONDITION when the model has no tokenizer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Decodes token ids into text (FAILED_PRECONDITION when the model has no tokenizer).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,6 +109,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=tandem_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=tandem_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_inference__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -158,6 +176,33 @@ class Inference:
             '/tandem.v1.Inference/Tokenize',
             tandem_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
             tandem_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Inference/Detokenize',
+            tandem_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            tandem_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
