@@ -16,7 +16,7 @@ def test_check_notices_an_edited_proto(tmp_path):
     protos = tmp_path / "protos"
     shutil.copytree(codegen.PROTO_ROOT, protos)
     proto = protos / "tandem" / "v1" / "inference.proto"
-    proto.write_text(proto.read_text().replace("string text = 1;", "string text = 1;\n  bool lower = 2;", 1))
+    proto.write_text(proto.read_text().replace("string text = 1;", "string text = 1;\n  bool lower = 99;", 1))
     assert "inference_pb2.py" in codegen.stale(codegen.generate(protos))
 
 
