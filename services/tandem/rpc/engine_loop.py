@@ -329,12 +329,14 @@ class EngineLoop:
             self._abort(request_id, notify=True)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for request_id, stream in list(self._streams.items()):
-            self._streams.pop(request_id)
+        failed, self._streams = self._streams, {}
+        for request_id in failed:
             self.engine.abort_request(request_id)
+        # their blocks are free in the gauges before a caller hears of the failure (and may scrape them)
+        self.metrics.record_engine_stats(self.engine.stats())
+        for stream in failed.values():
             self.metrics.record_outcome("error")
             stream.put(exc)
-        self.metrics.record_engine_stats(self.engine.stats())  # their blocks are free now
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
