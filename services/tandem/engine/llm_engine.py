@@ -17,10 +17,10 @@ from tandem.engine import cuda_graph
 from tandem.engine.chat import ChatMessage, ChatTemplate
 from tandem.engine.config import EngineConfig, EngineStats, context_length
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.logits_processors import bad_words_token_ids, check_token_ids
+from tandem.engine.logits_processors import bad_words_token_ids
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampling_params import (DuplicateRequest, InvalidRequest, RequestOutput, SamplingParams,
-                                           TokenLogprobs)
+                                           TokenLogprobs, check_in_vocabulary)
 from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.engine.sequence import Sequence
 from tandem.engine.structured import Constraint, Grammars
@@ -224,9 +224,7 @@ class LLMEngine:
         if len(prompt) == 0:
             raise InvalidRequest("prompt", "must not be empty")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        check_in_vocabulary("prompt_token_ids", prompt, vocab)
         if len(prompt) >= self.max_model_len:  # no room for one token, whatever max_tokens says
             raise InvalidRequest("prompt", f"{len(prompt)} tokens leave no room to generate within the context "
                                  f"length {self.max_model_len}")
@@ -237,7 +235,8 @@ class LLMEngine:
         for name, what in (("stop", "stop strings"), ("bad_words", "bad words")):
             if getattr(params, name) and self.tokenizer is None:
                 raise InvalidRequest(name, f"{what} need a tokenizer; this model has none")
-        check_token_ids(params, vocab)
+        check_in_vocabulary("logit_bias", params.logit_bias or (), vocab)
+        check_in_vocabulary("allowed_token_ids", params.allowed_token_ids or (), vocab)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Cancel a request: every completion of it still unfinished, whose KV blocks are freed at once.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.sampling_params import InvalidRequest, SamplingParams
+from tandem.engine.sampling_params import InvalidRequest, SamplingParams, check_in_vocabulary
 
 NOT_YET = -1  # the recent tokens of a row before its output has that many: no token id matches it
 ANY = -2  # a bad word's pattern before its prefix (shorter than the longest): matches any token
@@ -128,15 +128,5 @@ def bad_words_token_ids(tokenizer, words: tuple[str, ...], vocab: int) -> list[l
         out.append(alone)
         if len(spaced) == len(alone) and spaced[0] != alone[0]:
             out.append(spaced)
-    bad = next((t for ids in out for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequest("bad_words", f"token id {bad} is outside the vocabulary [0, {vocab})")
+    check_in_vocabulary("bad_words", (t for ids in out for t in ids), vocab)
     return out
-
-
-def check_token_ids(params: SamplingParams, vocab: int) -> None:
-    """InvalidRequest naming logit_bias or allowed_token_ids for a token id outside the vocabulary."""
-    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise InvalidRequest(name, f"token id {bad} is outside the vocabulary [0, {vocab})")

@@ -34,6 +34,13 @@ MAX_N = 16
 MAX_LOGIT_BIAS = 100
 
 
+def check_in_vocabulary(field_name: str, token_ids, vocab: int) -> None:
+    """InvalidRequest naming `field_name` for the first of `token_ids` outside [0, vocab)."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(field_name, f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+
 class DuplicateRequest(InvalidRequest):
     """A request_id already in flight (gRPC: ALREADY_EXISTS)."""
 

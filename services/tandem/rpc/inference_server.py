@@ -12,7 +12,7 @@ import grpc
 
 from tandem.engine.chat import ChatMessage
 from tandem.engine.sampling_params import (InvalidRequest, RequestOutput, SamplingParams, StructuredOutputs,
-                                           TokenLogprobs)
+                                           TokenLogprobs, check_in_vocabulary)
 from tandem.metrics import ServingMetrics
 from tandem.rpc.engine_loop import EngineLoop
 from tandem.rpc.errors import NoTokenizer, ServerUnavailable, outcome_of, status_of
@@ -189,10 +189,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             engine = self._tokenizing_engine()
             ids = list(request.token_ids)
-            vocab = engine.model_config.vocab_size
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise InvalidRequest("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+            check_in_vocabulary("token_ids", ids, engine.model_config.vocab_size)
             skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
             text = await asyncio.to_thread(engine.tokenizer.decode, ids, skip_special_tokens=skip)
         except Exception as exc:  # noqa: BLE001
