@@ -54,7 +54,7 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         """tokenizer: a `tokenizers.Tokenizer`; vocab_size: the logits' width."""
-        self._tokenizer_json = tokenizer.to_str()
+        self._hf_tokenizer = tokenizer  # serialized for llguidance on first use, not at every engine's start
         self._vocab_size = max(vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         self._eos = list(eos_token_ids)
         self._lock = threading.Lock()
@@ -67,7 +67,7 @@ class Grammars:
         with self._lock:
             if self._ll_tokenizer is None:
                 eos = self._eos[0] if len(self._eos) == 1 else (self._eos or None)
-                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size,
+                self._ll_tokenizer = llguidance.LLTokenizer(self._hf_tokenizer.to_str(), n_vocab=self._vocab_size,
                                                             eos_token=eos)
             return self._ll_tokenizer
 
