@@ -14,15 +14,10 @@ def build_request(args) -> inference_pb2.GenerateRequest:
     """A GenerateRequest from `tandem generate`'s flags."""
     from tandem.cli import parse_chat, parse_prompt_ids, processors_from_args, structured_from_args
 
-    processors = processors_from_args(args)
-    sampling = inference_pb2.SamplingParams(
+    sampling = inference_pb2.SamplingParams(  # the processors' keywords are the proto's field names
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, stop=list(args.stop), n=args.n,
-        min_tokens=processors["min_tokens"], logit_bias=processors["logit_bias"],
-        allowed_token_ids=processors["allowed_token_ids"], bad_words=processors["bad_words"],
-        include_stop_str_in_output=processors["include_stop_str_in_output"],
-        skip_special_tokens=processors["skip_special_tokens"])
+        frequency_penalty=args.frequency_penalty, stop=list(args.stop), n=args.n, **processors_from_args(args))
     if args.seed is not None:
         sampling.seed = args.seed
     if args.logprobs is not None:

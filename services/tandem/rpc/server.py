@@ -348,7 +348,9 @@ def _listen(server: grpc.aio.Server, metrics, opts: ServeOptions):
         try:
             httpd = metrics.serve_http(opts.metrics_port, opts.metrics_host)
         except OSError as exc:  # in use, or --metrics-host not an address of this host
-            where = f"{opts.metrics_host} port {opts.metrics_port}" if opts.metrics_host else f"port {opts.metrics_port}"
+            where = f"port {opts.metrics_port}"
+            if opts.metrics_host:
+                where = f"{opts.metrics_host} {where}"
             raise ValueError(f"--metrics-port: cannot serve /metrics on {where}: {exc.strerror or exc}") from None
     prepare_unix_socket(opts.listen)
     try:
