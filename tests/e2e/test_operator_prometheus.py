@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
-import subprocess
 import sys
 import time
 import types
@@ -20,7 +18,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tandem import contract
 from tandem_operator import autoscaler
@@ -35,16 +32,12 @@ from kopf_fixtures import cluster, operator  # noqa: E402,F401 (fixtures)
 from tandem_serve import drive_load, observed_bucket_range_ms, scrape, tandem_serve  # noqa: E402
 from test_operator_kmock import pod  # noqa: E402
 
+from prometheus_process import prometheus_process, wait_until  # noqa: E402
+
 NAMESPACE, NAME = "models", "mixtral"
 STARTUP_TIMEOUT_S = 60
 # A demo Mixtral decodes a token in far more than 10 µs on any CPU: the decision is always a scale-up.
 TINY_TARGET_MS = 0.01
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +53,6 @@ def prometheus(prometheus_binary, tandem_server, tmp_path):
     The labels are those the chart's ServiceMonitor (or a `kubernetes-pods` job) gives a model's
     series: the operator's default query selects on the model label.
     """
-    port = _free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{
@@ -70,24 +62,9 @@ def prometheus(prometheus_binary, tandem_server, tmp_path):
                                            MODEL_SERIES_LABEL: NAME}}],
         }],
     }
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = open(tmp_path / "prometheus.log", "wb")
-    process = subprocess.Popen(
-        [prometheus_binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _poll(lambda: _get(f"{url}/-/ready") is not None, "Prometheus ready", process, tmp_path)
+    ready = lambda url: _get(f"{url}/-/ready") is not None  # noqa: E731
+    with prometheus_process(prometheus_binary, tmp_path, config, ready=ready) as (url, process):
         yield types.SimpleNamespace(url=url, process=process, log=tmp_path / "prometheus.log")
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def test_autoscaler_scales_from_prometheus(prometheus, tandem_server):
@@ -101,8 +78,8 @@ def test_autoscaler_scales_from_prometheus(prometheus, tandem_server):
     assert asyncio.run(drive_load(tandem_server.address)) > 0
 
     memo = types.SimpleNamespace()
-    p95 = _poll(lambda: measure_p95(spec, NAMESPACE, NAME, memo, time.monotonic()), "a p95 from Prometheus",
-                prometheus.process, None)
+    p95 = wait_until(lambda: measure_p95(spec, NAMESPACE, NAME, memo, time.monotonic()), "a p95 from Prometheus",
+                     prometheus.process)
 
     _assert_within_observed(p95 * 1000.0, tandem_server)
     decision, _ = autoscaler.decide(spec.replicas, p95, spec.autoscaling, [], now=time.monotonic())
@@ -151,7 +128,7 @@ async def test_operator_scales_from_prometheus(prometheus, tandem_server, cluste
 def _wait_for_two_scrapes(prometheus) -> None:
     """Until Prometheus holds two samples of the histogram, so increase() has a baseline before the load."""
     series = f'{contract.INTER_TOKEN_LATENCY}_count{{namespace="{NAMESPACE}"}}[30s]'
-    _poll(lambda: _sample_count(prometheus.url, series) >= 2, "two scrapes", prometheus.process, None)
+    wait_until(lambda: _sample_count(prometheus.url, series) >= 2, "two scrapes", prometheus.process)
 
 
 def _assert_within_observed(p95_ms: float, tandem_server) -> None:
@@ -167,18 +144,6 @@ def _condition(body: dict, type_: str) -> dict:
 async def _reason_is(cluster, reason: str) -> bool:
     body = await cluster.get(model_path(NAME))
     return _condition(body or {}, "ScalingActive").get("reason") == reason
-
-
-def _poll(check, what, process, tmp_path):
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"prometheus exited with {process.returncode} while waiting for {what}")
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)  # a polling step, bounded by the deadline
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _get(url: str) -> str | None:
