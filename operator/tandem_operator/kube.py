@@ -48,7 +48,8 @@ PODS = Resource("", "v1", "pods", "Pod")
 HYBRIDMODELS = Resource(names.GROUP, names.VERSION, names.PLURAL, names.KIND)
 # Only read, one by name: the credentials of a Prometheus the autoscaler queries.
 SECRETS = Resource("", "v1", "secrets", "Secret")
-BY_KIND = {r.kind: r for r in (DEPLOYMENTS, SERVICES, PDBS, PODS, HYBRIDMODELS, SECRETS)}
+CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")  # only read, one by name: a Prometheus' CA bundle
+BY_KIND = {r.kind: r for r in (DEPLOYMENTS, SERVICES, PDBS, PODS, HYBRIDMODELS, SECRETS, CONFIGMAPS)}
 
 
 # Error statuses that may pass on their own: not found or conflicting during a concurrent change,

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from .prometheus_access import Access
 
 SCRAPE_TIMEOUT_SECONDS = 5
+# OpenSSL's names for the alerts a server sends when it wants a client certificate it did not get
+# or does not accept (mutual TLS).
+_CLIENT_CERTIFICATE_ALERTS = frozenset({"TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE",
+                                        "TLSV1_ALERT_UNKNOWN_CA", "SSLV3_ALERT_CERTIFICATE_UNKNOWN"})
 
 # Pod IPs and in-cluster Prometheus are never reached through an HTTP proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -212,8 +216,11 @@ def _http_get(url: str, timeout: float, access: Access | None = None) -> str:
             return response.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
         raise MetricsError(f"{url}: HTTP {e.code}{_refused(e.code, access)}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise MetricsError(f"{url}: {_failure(getattr(e, 'reason', e))}") from None
+    except urllib.error.URLError as e:
+        raise MetricsError(f"{url}: {_failure(e.reason)}") from None
+    except OSError as e:  # an ssl.SSLError too (its `reason` is OpenSSL's name): after TLS 1.3's handshake, a
+        # server refusing the client's certificate says so at the first read, not in urlopen's connect
+        raise MetricsError(f"{url}: {_failure(e)}") from None
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -256,7 +263,10 @@ def _refused(code: int, access: Access | None) -> str:
 def _failure(reason: object) -> str:
     if isinstance(reason, ssl.SSLCertVerificationError):
         return (f"TLS: the server's certificate failed verification: {reason.verify_message} "
-                "(metrics.prometheus.tls: caSecret, serverName)")
+                "(metrics.prometheus.tls: caSecret or caConfigMap, serverName)")
+    if isinstance(reason, ssl.SSLError) and reason.reason in _CLIENT_CERTIFICATE_ALERTS:
+        return f"TLS: the server refused the client's certificate or wants one (metrics.prometheus.tls.certSecret): " \
+               f"{reason}"
     if isinstance(reason, ssl.SSLError):
         return f"TLS: {reason}"
     return str(reason)

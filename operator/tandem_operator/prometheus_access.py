@@ -1,15 +1,18 @@
-"""How the autoscaler reaches a Prometheus behind TLS or credentials: the Secrets that
-`metrics.prometheus.tls` and `.auth` name, read through the Kubernetes API, made into an SSL
-context and the query's headers.
+"""How the autoscaler reaches a Prometheus behind TLS or credentials: the Secrets (and a CA
+bundle's ConfigMap) that `metrics.prometheus.tls` and `.auth` name, read through the Kubernetes
+API, made into an SSL context and the query's headers.
 
-Secrets are read at every autoscaling step, not cached: the operator may only `get` Secrets (not
-list or watch them), so a cache would GET them anyway to notice a change, and this way a rotated
-token or CA is used from the next step on. No message or log line carries what a Secret holds.
+Secrets and ConfigMaps are read at every autoscaling step, not cached: the operator may only `get`
+them (not list or watch them), so a cache would GET them anyway to notice a change, and this way a
+rotated token, certificate or CA is used from the next step on. No message or log line carries
+what a Secret holds, and a client certificate's key is handed to OpenSSL through memory (a
+memfd), never written to a file.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import re
 import ssl
 from dataclasses import dataclass, field
@@ -18,7 +21,7 @@ from typing import Callable, Mapping
 
 from . import kube
 from .metrics_source import MetricsError
-from .prometheus_spec import PrometheusAuth, PrometheusSpec, PrometheusTLS, SecretKeyRef
+from .prometheus_spec import ConfigMapKeyRef, PrometheusAuth, PrometheusSpec, PrometheusTLS, SecretKeyRef, SecretRef
 
 # Where the kubelet keeps the operator pod's projected ServiceAccount token (and rotates it).
 SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -26,8 +29,11 @@ SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/toke
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
-# (namespace, name) -> the Secret, or None when there is none.
+# (namespace, name) -> the Secret (or ConfigMap), or None when there is none.
 SecretGetter = Callable[[str, str], "dict | None"]
+ConfigMapGetter = SecretGetter
+# The keys of a kubernetes.io/tls Secret (cert-manager's Certificates write them).
+TLS_CERT_KEY, TLS_KEY_KEY = "tls.crt", "tls.key"
 
 
 @dataclass(frozen=True)
@@ -39,15 +45,18 @@ class Access:
     credentials: str | None = None  # where the Authorization header comes from, in the spec's words
 
 
-def access(prometheus: PrometheusSpec, namespace: str, get_secret: SecretGetter | None = None) -> Access:
+def access(prometheus: PrometheusSpec, namespace: str, get_secret: SecretGetter | None = None,
+           get_config_map: ConfigMapGetter | None = None) -> Access:
     """Read what `prometheus` names from `namespace`; a MetricsError says what is missing or unusable."""
     get_secret = get_secret or _get_secret
     tls, auth = prometheus.tls, prometheus.auth
     context = None
     if prometheus.url.startswith("https://"):
-        ca = None if tls.caSecret is None or tls.insecureSkipVerify else _secret_value(
-            get_secret, namespace, tls.caSecret, "tls.caSecret")
+        ca = None if tls.insecureSkipVerify else _ca_bundle(tls, namespace, get_secret,
+                                                            get_config_map or _get_config_map)
         context = ssl_context(tls, ca)
+        if tls.certSecret is not None:
+            _load_client_certificate(context, get_secret, namespace, tls.certSecret)
     headers = dict(prometheus.headers)
     authorization = _authorization(auth, namespace, get_secret)
     if authorization is not None:
@@ -71,10 +80,27 @@ def ssl_context(tls: PrometheusTLS, ca_pem: str | None = None) -> ssl.SSLContext
         try:
             context.load_verify_locations(cadata=ca_pem)
         except (ssl.SSLError, ValueError, TypeError) as e:
-            ref = tls.caSecret
-            where = f"Secret {ref.name} key {ref.key!r}" if ref else "the CA bundle"
-            raise MetricsError(f"metrics.prometheus.tls.caSecret: {where} holds no PEM CA certificate: {e}") from None
+            where = tls.ca_source or "the CA bundle"
+            raise MetricsError(f"metrics.prometheus.{where} holds no PEM CA certificate: {e}") from None
     return context
+
+
+def client_certificate(context: ssl.SSLContext, cert_pem: str, key_pem: str, source: str) -> None:
+    """Load a PEM certificate (chain) and its private key into `context`, from memory.
+
+    Python's ssl reads certificates only from files: both go to a memfd (anonymous memory, no
+    path on any filesystem) that OpenSSL opens by its /proc/self/fd name, and that is gone when
+    closed."""
+    fd = os.memfd_create("tandem-prometheus-client", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as file:
+            file.write(f"{cert_pem.strip()}\n{key_pem.strip()}\n".encode())
+        context.load_cert_chain(f"/proc/self/fd/{fd}")
+    except ssl.SSLError as e:
+        raise MetricsError(f"{source}: {TLS_CERT_KEY} and {TLS_KEY_KEY} are not a PEM certificate and its private "
+                           f"key ({e.reason or e})") from None
+    finally:
+        os.close(fd)
 
 
 def bearer(token: str, source: str) -> str:
@@ -125,28 +151,67 @@ def _authorization(auth: PrometheusAuth, namespace: str, get_secret: SecretGette
     return None
 
 
+def _ca_bundle(tls: PrometheusTLS, namespace: str, get_secret: SecretGetter,
+               get_config_map: ConfigMapGetter) -> str | None:
+    """The PEM CA bundle the spec names; None for the system's CAs."""
+    if tls.caSecret is not None:
+        return _secret_value(get_secret, namespace, tls.caSecret, "tls.caSecret")
+    if tls.caConfigMap is not None:
+        return _config_map_value(get_config_map, namespace, tls.caConfigMap)
+    return None
+
+
+def _load_client_certificate(context: ssl.SSLContext, get_secret: SecretGetter, namespace: str,
+                             ref: SecretRef) -> None:
+    where = "tls.certSecret"
+    data = _secret_data(get_secret, namespace, ref.name, where)
+    cert, key = (_decoded(data, namespace, SecretKeyRef(ref.name, k), where) for k in (TLS_CERT_KEY, TLS_KEY_KEY))
+    client_certificate(context, cert, key, f"metrics.prometheus.{where}: Secret {namespace}/{ref.name}")
+
+
 def _get_secret(namespace: str, name: str) -> dict | None:
     return kube.get(kube.SECRETS, namespace, name)
 
 
-def _secret_data(get_secret: SecretGetter, namespace: str, name: str, where: str) -> dict:
+def _get_config_map(namespace: str, name: str) -> dict | None:
+    return kube.get(kube.CONFIGMAPS, namespace, name)
+
+
+def _read(get: SecretGetter, noun: str, namespace: str, name: str, where: str) -> dict:
     try:
-        secret = get_secret(namespace, name)
+        found = get(namespace, name)
     except kube.KubeError as e:
-        raise MetricsError(f"metrics.prometheus.{where}: cannot read Secret {namespace}/{name}: HTTP {e.status}: "
+        raise MetricsError(f"metrics.prometheus.{where}: cannot read {noun} {namespace}/{name}: HTTP {e.status}: "
                            f"{e.message}") from None
-    if secret is None:
-        raise MetricsError(f"metrics.prometheus.{where}: Secret {namespace}/{name} not found")
-    return secret.get("data") or {}
+    if found is None:
+        raise MetricsError(f"metrics.prometheus.{where}: {noun} {namespace}/{name} not found")
+    return found
+
+
+def _secret_data(get_secret: SecretGetter, namespace: str, name: str, where: str) -> dict:
+    return _read(get_secret, "Secret", namespace, name, where).get("data") or {}
+
+
+def _config_map_value(get_config_map: ConfigMapGetter, namespace: str, ref: ConfigMapKeyRef) -> str:
+    """A ConfigMap's key as text: from `data`, or `binaryData` (base64) where the bundle was put there."""
+    where = "tls.caConfigMap"
+    config_map = _read(get_config_map, "ConfigMap", namespace, ref.name, where)
+    data, binary = config_map.get("data") or {}, config_map.get("binaryData") or {}
+    if ref.key in data:
+        return data[ref.key]
+    if ref.key in binary:
+        return _decoded(binary, namespace, ref, where, noun="ConfigMap")
+    raise MetricsError(f"metrics.prometheus.{where}: ConfigMap {namespace}/{ref.name} has no key {ref.key!r} "
+                       f"(its keys: {', '.join(sorted({*data, *binary})) or 'none'})")
 
 
 def _secret_value(get_secret: SecretGetter, namespace: str, ref: SecretKeyRef, where: str) -> str:
     return _decoded(_secret_data(get_secret, namespace, ref.name, where), namespace, ref, where)
 
 
-def _decoded(data: dict, namespace: str, ref: SecretKeyRef, where: str) -> str:
+def _decoded(data: dict, namespace: str, ref: SecretKeyRef | ConfigMapKeyRef, where: str, noun: str = "Secret") -> str:
     """One key of a Secret's `data` (base64, as the API serves it) as text; its value is never in a message."""
-    secret = f"metrics.prometheus.{where}: Secret {namespace}/{ref.name}"
+    secret = f"metrics.prometheus.{where}: {noun} {namespace}/{ref.name}"
     if ref.key not in data:
         raise MetricsError(f"{secret} has no key {ref.key!r} (its keys: {', '.join(sorted(data)) or 'none'})")
     try:

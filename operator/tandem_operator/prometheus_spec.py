@@ -1,8 +1,9 @@
 """`spec.autoscaling.metrics.prometheus`: where the Prometheus HTTP API is, the PromQL to run, and
 how to reach it (TLS, credentials, headers), as the CRD declares them.
 
-The credentials themselves never appear in the spec: it names Secrets in the HybridModel's
-namespace, which tandem_operator.prometheus_access reads when it queries.
+The credentials themselves never appear in the spec: it names Secrets (and, for a CA bundle, a
+ConfigMap) in the HybridModel's namespace, which tandem_operator.prometheus_access reads when it
+queries.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from .spec_fields import SpecError, _bool, _known, _object, _string
 
 WHERE = "spec.autoscaling.metrics.prometheus"
 _URL = re.compile(r"^https?://\S+$")
-# Kubernetes' rules for a Secret's name (a DNS-1123 subdomain) and for the keys of its data.
-_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+# Kubernetes' rules for a Secret's or ConfigMap's name (a DNS-1123 subdomain) and for the keys of its data.
+_OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 # An HTTP field name (RFC 9110's token), and a value without control characters (no header
 # injection through a newline).
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -42,10 +43,32 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class ConfigMapKeyRef:
+    """One key of a ConfigMap in the HybridModel's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
 class PrometheusTLS:
-    caSecret: SecretKeyRef | None = None  # a PEM CA bundle trusted instead of the system's CAs
+    # A PEM CA bundle trusted instead of the system's CAs, from at most one of a Secret and a
+    # ConfigMap (where OpenShift's service CA and cert-manager's trust-manager put theirs).
+    caSecret: SecretKeyRef | None = None
+    caConfigMap: ConfigMapKeyRef | None = None
+    # The client's certificate for mutual TLS: a kubernetes.io/tls Secret (keys tls.crt and tls.key).
+    certSecret: SecretRef | None = None
     insecureSkipVerify: bool = False
     serverName: str | None = None  # the name the certificate must carry, when the URL's host is not it
+
+    @property
+    def ca_source(self) -> str | None:
+        """Where the CA bundle comes from, in the spec's words (for messages); None for the system's CAs."""
+        if self.caSecret is not None:
+            return f"tls.caSecret: Secret {self.caSecret.name} key {self.caSecret.key!r}"
+        if self.caConfigMap is not None:
+            return f"tls.caConfigMap: ConfigMap {self.caConfigMap.name} key {self.caConfigMap.key!r}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -96,8 +119,13 @@ def parse_prometheus(raw: Any) -> PrometheusSpec:
 def _tls(raw: Mapping) -> PrometheusTLS:
     where = f"{WHERE}.tls"
     _known(raw, where, PrometheusTLS)
+    secret, config_map, cert = raw.get("caSecret"), raw.get("caConfigMap"), raw.get("certSecret")
+    if secret is not None and config_map is not None:
+        raise SpecError(f"{where} takes at most one of caSecret and caConfigMap")
     return PrometheusTLS(
-        caSecret=None if raw.get("caSecret") is None else _secret_key(raw["caSecret"], f"{where}.caSecret"),
+        caSecret=None if secret is None else _key_ref(secret, f"{where}.caSecret", SecretKeyRef),
+        caConfigMap=None if config_map is None else _key_ref(config_map, f"{where}.caConfigMap", ConfigMapKeyRef),
+        certSecret=None if cert is None else _secret(cert, f"{where}.certSecret"),
         insecureSkipVerify=_bool(raw, "insecureSkipVerify", where, False),
         serverName=None if raw.get("serverName") is None else _string(raw, "serverName", where, None, 1),
     )
@@ -108,7 +136,7 @@ def _auth(raw: Mapping) -> PrometheusAuth:
     _known(raw, where, PrometheusAuth)
     bearer, basic = raw.get("bearerTokenSecret"), raw.get("basicAuthSecret")
     auth = PrometheusAuth(
-        bearerTokenSecret=None if bearer is None else _secret_key(bearer, f"{where}.bearerTokenSecret"),
+        bearerTokenSecret=None if bearer is None else _key_ref(bearer, f"{where}.bearerTokenSecret", SecretKeyRef),
         basicAuthSecret=None if basic is None else _secret(basic, f"{where}.basicAuthSecret"),
         serviceAccountToken=_bool(raw, "serviceAccountToken", where, False),
     )
@@ -120,22 +148,24 @@ def _auth(raw: Mapping) -> PrometheusAuth:
 def _secret(raw: Any, where: str) -> SecretRef:
     ref = _object(raw, where)
     _known(ref, where, SecretRef)
-    return SecretRef(_secret_name(ref, where))
+    return SecretRef(_object_name(ref, where, "Secret"))
 
 
-def _secret_key(raw: Any, where: str) -> SecretKeyRef:
+def _key_ref(raw: Any, where: str, kind: type[SecretKeyRef] | type[ConfigMapKeyRef]):
+    """A SecretKeyRef or ConfigMapKeyRef: a name and a key, each as Kubernetes allows them."""
     ref = _object(raw, where)
-    _known(ref, where, SecretKeyRef)
+    _known(ref, where, kind)
+    noun = "Secret" if kind is SecretKeyRef else "ConfigMap"
     key = _string(ref, "key", where, None, 1)
-    if len(key) > 253 or not _SECRET_KEY.match(key):
-        raise SpecError(f"{where}.key {key!r} must be a Secret's key: letters, digits, '-', '_' and '.'")
-    return SecretKeyRef(_secret_name(ref, where), key)
+    if len(key) > 253 or not _KEY.match(key):
+        raise SpecError(f"{where}.key {key!r} must be a {noun}'s key: letters, digits, '-', '_' and '.'")
+    return kind(_object_name(ref, where, noun), key)
 
 
-def _secret_name(ref: Mapping, where: str) -> str:
+def _object_name(ref: Mapping, where: str, noun: str) -> str:
     name = _string(ref, "name", where, None, 1)
-    if len(name) > 253 or not _SECRET_NAME.match(name):
-        raise SpecError(f"{where}.name {name!r} must be a Secret's name (a DNS subdomain)")
+    if len(name) > 253 or not _OBJECT_NAME.match(name):
+        raise SpecError(f"{where}.name {name!r} must be a {noun}'s name (a DNS subdomain)")
     return name
 
 

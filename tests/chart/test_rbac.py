@@ -7,8 +7,8 @@ import pytest
 from conftest import NON_DEFAULT_VALUES, by_kind, one, render_objects
 
 # (API group, resource, verb) the operator needs in each namespace it watches.
-# Read from operator/tandem_operator: kube.get/create/patch and list_labelled calls (on Secrets
-# only `get`: prometheus_access reads those a HybridModel names), the kopf handlers (on.event
+# Read from operator/tandem_operator: kube.get/create/patch and list_labelled calls (on Secrets and
+# ConfigMaps only `get`: prometheus_access reads those a HybridModel names), the kopf handlers (on.event
 # watches children and pods; kopf's annotations patch the model), kopf.warn/info (Events),
 # status_store (status subresource); `delete` on children because setting owner references asks
 # for it, and `update` on the owner's finalizers because their blockOwnerDeletion does (both by the
@@ -23,6 +23,7 @@ OPERATOR_NEEDS = {
     *{("policy", "poddisruptionbudgets", verb) for verb in CHILD_VERBS},
     *{("", "pods", verb) for verb in ("list", "watch")},
     ("", "secrets", "get"),
+    ("", "configmaps", "get"),
     ("", "events", "create"),
 }
 CHILDREN = {"deployments", "services", "poddisruptionbudgets"}
@@ -77,9 +78,10 @@ def test_no_wildcards_and_no_write_beyond_children(chart, values):
             # `update` only where no patch will do: the finalizers subresource (see OPERATOR_NEEDS).
             assert verb != "update" or resource == "hybridmodels/finalizers", (resource, verb)
             assert verb != "delete" or resource in CHILDREN, (resource, verb)
-            assert resource not in ("configmaps", "nodes", "pods/exec", "pods/proxy")
-            # Secrets are read one by name: `list` or `watch` would hand the operator every Secret's data.
-            assert resource != "secrets" or verb == "get", (resource, verb)
+            assert resource not in ("nodes", "pods/exec", "pods/proxy")
+            # Secrets (and CA ConfigMaps) are read one by name: `list` or `watch` would hand the
+            # operator every Secret's data.
+            assert resource not in ("secrets", "configmaps") or verb == "get", (resource, verb)
 
 
 def test_clusterwide_role_grants_exactly_what_is_needed(chart):

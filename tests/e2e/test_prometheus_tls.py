@@ -1,6 +1,7 @@
 """End to end: a real Prometheus serving its API over TLS (a certificate from a CA made here) and
 behind basic auth (a bcrypt-hashed password), both through `--web.config.file`; the autoscaler, and
-then the real operator (kopf against KMock, with the Secrets in KMock), read a latency from it.
+then the real operator (kopf against KMock, with the Secrets in KMock), read a latency from it. A
+second Prometheus wants a client certificate (mutual TLS), its CA bundle read from a ConfigMap.
 
 Prometheus' web config has no bearer tokens: tests/operator tests those against a stand-in server.
 Prometheus comes from the Debian package (installed by .ci/run); on CI a missing binary is a
@@ -60,9 +61,34 @@ def secure_prometheus(prometheus_binary, tmp_path_factory):
         yield types.SimpleNamespace(url=url, ca=ca.cert_pem)
 
 
-def secret(name: str, **data: str) -> dict:
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NS},
+@pytest.fixture(scope="module")
+def mtls_prometheus(prometheus_binary, tmp_path_factory):
+    """Prometheus over TLS that accepts only clients with a certificate from its client CA."""
+    directory = tmp_path_factory.mktemp("prometheus-mtls")
+    ca, client_ca = CA("tandem e2e CA"), CA("tandem e2e client CA")
+    cert, key = ca.issue(ips=("127.0.0.1",)).write(directory, "server")
+    (directory / "client-ca.crt").write_text(client_ca.cert_pem)
+    (directory / "web.yml").write_text(yaml.safe_dump({"tls_server_config": {
+        "cert_file": str(cert), "key_file": str(key),
+        "client_auth_type": "RequireAndVerifyClientCert", "client_ca_file": str(directory / "client-ca.crt")}}))
+    client = client_ca.issue(dns_names=("tandem-operator",), client=True)
+    ready = functools.partial(_ready_mtls, ca_pem=ca.cert_pem, client=client.write(directory, "client"))
+    with prometheus_process(prometheus_binary, directory, {"global": {"evaluation_interval": "1s"}},
+                            f"--web.config.file={directory / 'web.yml'}", scheme="https", ready=ready) as (url, _):
+        yield types.SimpleNamespace(url=url, ca=ca.cert_pem, client=client)
+
+
+def secret(name: str, type: str = "Opaque", **data: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": type, "metadata": {"name": name, "namespace": NS},
             "data": {key: base64.b64encode(value.encode()).decode() for key, value in data.items()}}
+
+
+def client_secret(name: str, issued) -> dict:
+    return secret(name, "kubernetes.io/tls", **{"tls.crt": issued.cert_pem, "tls.key": issued.key_pem})
+
+
+def config_map(name: str, **data: str) -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": NS}, "data": data}
 
 
 def autoscaling(url: str, **prometheus) -> dict:
@@ -73,11 +99,16 @@ def autoscaling(url: str, **prometheus) -> dict:
 
 TLS = {"caSecret": {"name": "prometheus-ca", "key": "ca.crt"}}
 AUTH = {"basicAuthSecret": {"name": "prometheus-basic"}}
+# OpenShift's service CA, as its operator injects it into a ConfigMap; cert-manager's client certificate.
+MTLS = {"caConfigMap": {"name": "openshift-service-ca.crt", "key": "service-ca.crt"},
+        "certSecret": {"name": "tandem-operator-client"}}
 
 
-def read(url: str, secrets: dict[str, dict], monkeypatch, **prometheus) -> float | None:
-    """The p95 the autoscaler measures, with `secrets` as the Secrets of namespace NS."""
+def read(url: str, secrets: dict[str, dict], monkeypatch, config_maps: dict[str, dict] | None = None,
+         **prometheus) -> float | None:
+    """The p95 the autoscaler measures, with `secrets` and `config_maps` as namespace NS's."""
     monkeypatch.setattr(prometheus_access, "_get_secret", lambda namespace, name: secrets.get(name))
+    monkeypatch.setattr(prometheus_access, "_get_config_map", lambda namespace, name: (config_maps or {}).get(name))
     spec = parse_spec({"model": {"volume": {"emptyDir": {}}}, "image": "x",
                        "autoscaling": autoscaling(url, **prometheus)})
     return measure(spec, NS, "mixtral", types.SimpleNamespace(), time.monotonic()).p95_s
@@ -144,6 +175,67 @@ async def test_operator_scales_from_a_prometheus_behind_tls_and_basic_auth(secur
 
     scaling = await wait_for(refused, timeout=STARTUP_TIMEOUT_S, what="FailedGetMetrics")
     assert "HTTP 401 Unauthorized" in scaling["message"] and "Tr0ub4dor" not in scaling["message"]
+
+
+def test_a_client_certificate_and_a_ca_from_a_config_map_read_a_latency(mtls_prometheus, monkeypatch):
+    secrets = {"tandem-operator-client": client_secret("tandem-operator-client", mtls_prometheus.client)}
+    config_maps = {"openshift-service-ca.crt": config_map("openshift-service-ca.crt",
+                                                          **{"service-ca.crt": mtls_prometheus.ca})}
+    assert read(mtls_prometheus.url, secrets, monkeypatch, config_maps, tls=MTLS) == 0.2
+
+
+@pytest.mark.parametrize("client", ["none", "another CA's"])
+def test_without_a_certificate_from_the_client_ca_the_server_refuses(mtls_prometheus, monkeypatch, client):
+    config_maps = {"openshift-service-ca.crt": config_map("openshift-service-ca.crt",
+                                                          **{"service-ca.crt": mtls_prometheus.ca})}
+    tls, secrets = {"caConfigMap": MTLS["caConfigMap"]}, {}
+    if client != "none":
+        tls = MTLS
+        secrets = {"tandem-operator-client": client_secret("tandem-operator-client",
+                                                           CA("another CA").issue(dns_names=("x",), client=True))}
+    with pytest.raises(MetricsError, match=r"TLS: the server refused the client's certificate or wants one "
+                                           r"\(metrics.prometheus.tls.certSecret\)"):
+        read(mtls_prometheus.url, secrets, monkeypatch, config_maps, tls=tls)
+
+
+def test_a_key_that_is_not_the_certificates_is_named(mtls_prometheus, monkeypatch):
+    other = CA("another CA").issue(dns_names=("x",), client=True)
+    secrets = {"tandem-operator-client": secret("tandem-operator-client", "kubernetes.io/tls", **{
+        "tls.crt": mtls_prometheus.client.cert_pem, "tls.key": other.key_pem})}
+    config_maps = {"openshift-service-ca.crt": config_map("openshift-service-ca.crt",
+                                                          **{"service-ca.crt": mtls_prometheus.ca})}
+    with pytest.raises(MetricsError, match=f"metrics.prometheus.tls.certSecret: Secret {NS}/tandem-operator-client: "
+                                           "tls.crt and tls.key are not a PEM certificate and its private key"
+                       ) as error:
+        read(mtls_prometheus.url, secrets, monkeypatch, config_maps, tls=MTLS)
+    assert "PRIVATE KEY" not in str(error.value)
+
+
+async def test_operator_scales_from_a_prometheus_wanting_a_client_certificate(mtls_prometheus, cluster, operator):
+    await cluster.create(core_path("secrets"), client_secret("tandem-operator-client", mtls_prometheus.client))
+    await cluster.create(core_path("configmaps"), config_map("openshift-service-ca.crt",
+                                                             **{"service-ca.crt": mtls_prometheus.ca}))
+    await cluster.create_model(hybrid_model("mixtral", autoscaling=autoscaling(mtls_prometheus.url, tls=MTLS)))
+    await cluster.create(core_path("pods"), pod("mixtral-1", "mixtral"))
+
+    async def scaled():
+        model = await cluster.get(model_path("mixtral"))
+        return model if (model.get("status") or {}).get("desiredReplicas") == 4 else None
+
+    model = await wait_for(scaled, timeout=STARTUP_TIMEOUT_S, what="desiredReplicas 4 from Prometheus over mutual TLS")
+    assert model["spec"]["replicas"] == 4 and condition(model, "ScalingActive")["reason"] == "ScaleUp"
+
+
+def _ready_mtls(url: str, ca_pem: str, client: tuple) -> bool:
+    """Whether Prometheus answers /-/ready over TLS to a client with the client CA's certificate."""
+    context = ssl.create_default_context(cadata=ca_pem)
+    context.load_cert_chain(*client)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
+    try:
+        with opener.open(f"{url}/-/ready", timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def _ready(url: str, ca_pem: str) -> bool:

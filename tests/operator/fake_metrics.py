@@ -36,7 +36,8 @@ class FakeServer:
     """`.metrics` is served at /metrics, `.answer` (JSON) at /api/v1/query; `.queries` logs the PromQL asked.
 
     With `.authorization` set, a request without that Authorization header is answered 401; with
-    `.redirect` set, every request is redirected there. `.headers` logs each request's headers.
+    `.redirect` set, every request is redirected there. `.headers` logs each request's headers, and
+    `.peer_certificates` the common name of each client certificate presented (mutual TLS).
     """
 
     def __init__(self):
@@ -44,14 +45,16 @@ class FakeServer:
         self.answer: dict = vector()
         self.queries: list[str] = []
         self.headers: list[dict[str, str]] = []
+        self.peer_certificates: list[str] = []
         self.authorization: str | None = None
         self.redirect: str | None = None
         self.port = 0
 
 
 @contextmanager
-def fake_server(tls: tuple[str, str] | None = None) -> Iterator[FakeServer]:
-    """A server on 127.0.0.1; over HTTPS with `tls`, a (certificate, key) pair in PEM."""
+def fake_server(tls: tuple[str, str] | None = None, client_ca: str | None = None) -> Iterator[FakeServer]:
+    """A server on 127.0.0.1; over HTTPS with `tls`, a (certificate, key) pair in PEM; with `client_ca`
+    (PEM), only for clients presenting a certificate it issued."""
     state = FakeServer()
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -59,6 +62,9 @@ def fake_server(tls: tuple[str, str] | None = None) -> Iterator[FakeServer]:
             from urllib.parse import parse_qs, urlparse
             url = urlparse(self.path)
             state.headers.append(dict(self.headers))
+            if client_ca is not None:
+                subject = dict(field for rdn in self.connection.getpeercert()["subject"] for field in rdn)
+                state.peer_certificates.append(subject["commonName"])
             if state.redirect:
                 self.send_response(302)
                 self.send_header("Location", state.redirect)
@@ -83,8 +89,11 @@ def fake_server(tls: tuple[str, str] | None = None) -> Iterator[FakeServer]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.handle_error = lambda *_: None  # a client refusing the certificate is what some tests want
     if tls is not None:
-        server.socket = _server_context(*tls).wrap_socket(server.socket, server_side=True,
-                                                          do_handshake_on_connect=False)
+        context = _server_context(*tls)
+        if client_ca is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(cadata=client_ca)
+        server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     state.port = server.server_address[1]
     # A short poll interval: shutdown() waits for one.
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)

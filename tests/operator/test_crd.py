@@ -35,6 +35,10 @@ GOOD = {
     "prometheus-basic-auth": {"autoscaling": {"metrics": {"prometheus": {
         "url": "https://prom:9090", "tls": {"insecureSkipVerify": True},
         "auth": {"basicAuthSecret": {"name": "prometheus.basic-auth"}, "serviceAccountToken": False}}}}},
+    "prometheus-mutual-tls": {"autoscaling": {"metrics": {"prometheus": {
+        "url": "https://thanos-querier.openshift-monitoring.svc:9091",
+        "tls": {"caConfigMap": {"name": "openshift-service-ca.crt", "key": "service-ca.crt"},
+                "certSecret": {"name": "tandem-operator-client"}}}}}},
     "prometheus-service-account": {"autoscaling": {"metrics": {"prometheus": {
         "url": "https://thanos-querier.openshift-monitoring.svc:9091", "auth": {"serviceAccountToken": True}}}}},
     "tuned": {"kvCache": {"blockSize": 64, "gpuMemoryFraction": 1, "cpuTierGiB": 0},
@@ -79,6 +83,10 @@ BAD = {
     "bad-source": ({"autoscaling": {"metrics": {"source": "Datadog"}}}, "source"),
     "bad-url": ({"autoscaling": {"metrics": {"prometheus": {"url": "prom:9090"}}}}, "url"),
     "ca-secret-without-key": (_prometheus(tls={"caSecret": {"name": "ca"}}), "tls.caSecret.key is required"),
+    "ca-config-map-without-key": (_prometheus(tls={"caConfigMap": {"name": "ca"}}), "tls.caConfigMap.key is required"),
+    "bad-config-map-name": (_prometheus(tls={"caConfigMap": {"name": "CA", "key": "ca.crt"}}),
+                            "must be a ConfigMap's name"),
+    "bad-cert-secret-name": (_prometheus(tls={"certSecret": {"name": "client/cert"}}), "must be a Secret's name"),
     "bad-secret-name": (_prometheus(auth={"bearerTokenSecret": {"name": "Prom_Token", "key": "t"}}),
                         "must be a Secret's name"),
     "bad-secret-key": (_prometheus(auth={"bearerTokenSecret": {"name": "t", "key": "a/b"}}), "must be a Secret's key"),
@@ -125,6 +133,9 @@ BAD_CEL = {
                                                 "basicAuthSecret": {"name": "b"}}), "at most one of"),
     "bearer-and-service-account": (_prometheus(auth={"bearerTokenSecret": {"name": "t", "key": "t"},
                                                      "serviceAccountToken": True}), "at most one of"),
+    "ca-secret-and-config-map": (_prometheus(tls={"caSecret": {"name": "a", "key": "ca.crt"},
+                                                  "caConfigMap": {"name": "b", "key": "ca.crt"}}),
+                                 "tls takes at most one of caSecret and caConfigMap"),
     "gguf-with-int8": ({"experts": {"gguf": "m.gguf", "quantization": "int8"}},
                        "spec.experts.gguf cannot be combined with spec.experts.quantization int8"),
     "gguf-with-int4": ({"experts": {"gguf": "m.gguf", "quantization": "int4"}},
@@ -182,7 +193,7 @@ def test_kubernetes_typed_fields_declare_their_fields():
 @pytest.mark.parametrize("name", BAD_CEL)
 def test_cross_field_rules_are_declared_and_enforced(name):
     rules = [r["rule"] for r in _walk_validations(crd_schema()["properties"]["spec"])]
-    assert len(rules) == 6
+    assert len(rules) == 7
     overrides, message = BAD_CEL[name]
     with pytest.raises(SpecError, match=message):
         parse_spec(body(overrides)["spec"])

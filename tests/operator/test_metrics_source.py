@@ -16,7 +16,7 @@ from tandem_operator import kube, names, prometheus_access
 from tandem_operator.metrics_source import (DEFAULT_PROMETHEUS_QUERY, MetricsError, PodWindow, prometheus_query,
                                             read_pods, read_prometheus)
 from tandem_operator.scaling import measure
-from tandem_operator.spec import parse_spec
+from tandem_operator.spec import SpecError, parse_spec
 
 
 @pytest.fixture
@@ -252,6 +252,69 @@ def test_a_forbidden_secret_read_is_named():
     with pytest.raises(MetricsError, match="auth.bearerTokenSecret: cannot read Secret models/prom-token: HTTP 403: "
                                            'secrets "prom-token" is forbidden'):
         prometheus_access.access(prometheus, "models", forbidden)
+
+
+CA_CONFIG_MAP = {"caConfigMap": {"name": "prom-ca", "key": "service-ca.crt"}}
+
+
+def config_maps(maps: dict[str, dict]):
+    return lambda namespace, name: maps.get(name) if namespace == "models" else None
+
+
+@pytest.mark.parametrize("where", ["data", "binaryData"])
+def test_a_ca_bundle_from_a_config_map(https, ca, where):
+    bundle = ca.cert_pem if where == "data" else base64.b64encode(ca.cert_pem.encode()).decode()
+    prometheus = prometheus_spec(https.url, tls=CA_CONFIG_MAP, auth=BEARER["auth"])
+    access = prometheus_access.access(prometheus, "models", lambda ns, n: secret(token=TOKEN),
+                                      config_maps({"prom-ca": {where: {"service-ca.crt": bundle}}}))
+    assert read_prometheus(prometheus.url, prometheus.query, access=access) == 0.042
+
+
+@pytest.mark.parametrize("maps, message", [
+    ({}, "metrics.prometheus.tls.caConfigMap: ConfigMap models/prom-ca not found"),
+    ({"prom-ca": {"data": {"ca.crt": "x"}, "binaryData": {"other": "eA=="}}},
+     r"tls.caConfigMap: ConfigMap models/prom-ca has no key 'service-ca.crt' \(its keys: ca.crt, other\)"),
+    ({"prom-ca": {"data": {"service-ca.crt": "not a certificate"}}},
+     "metrics.prometheus.tls.caConfigMap: ConfigMap prom-ca key 'service-ca.crt' holds no PEM CA certificate"),
+    ({"prom-ca": {"binaryData": {"service-ca.crt": "not base64!"}}},
+     "ConfigMap models/prom-ca key 'service-ca.crt' is not UTF-8 text"),
+])
+def test_what_is_wrong_with_a_ca_config_map_is_named(maps, message):
+    prometheus = prometheus_spec("https://prom:9090", tls=CA_CONFIG_MAP)
+    with pytest.raises(MetricsError, match=message):
+        prometheus_access.access(prometheus, "models", lambda ns, n: None, config_maps(maps))
+
+
+def test_a_ca_from_a_secret_and_a_config_map_at_once_is_refused():
+    with pytest.raises(SpecError, match="tls takes at most one of caSecret and caConfigMap"):
+        prometheus_spec("https://prom:9090", tls={**BEARER["tls"], **CA_CONFIG_MAP})
+
+
+@pytest.mark.parametrize("data, message", [
+    (None, "metrics.prometheus.tls.certSecret: Secret models/client not found"),
+    ({"tls.crt": "x"}, r"tls.certSecret: Secret models/client has no key 'tls.key' \(its keys: tls.crt\)"),
+    ({"tls.crt": "not a certificate", "tls.key": "not a key"},
+     "tls.certSecret: Secret models/client: tls.crt and tls.key are not a PEM certificate and its private key"),
+])
+def test_what_is_wrong_with_a_client_certificate_is_named(data, message):
+    prometheus = prometheus_spec("https://prom:9090", tls={"certSecret": {"name": "client"}})
+    with pytest.raises(MetricsError, match=message) as error:
+        prometheus_access.access(prometheus, "models", lambda ns, n: None if data is None else secret(**data))
+    assert "not a key" not in str(error.value)
+
+
+def test_a_client_certificate_is_presented(ca):
+    # A server that wants one: the certificate from the Secret is what it sees.
+    client = CA("client CA")
+    issued = client.issue(dns_names=("tandem-operator",), client=True)
+    prometheus = prometheus_spec("https://127.0.0.1:1", tls={"certSecret": {"name": "client"}})
+    access = prometheus_access.access(prometheus, "models", lambda ns, n: secret(
+        **{"tls.crt": issued.cert_pem, "tls.key": issued.key_pem}))
+    with fake_server(tls=astuple(ca.issue(ips=("127.0.0.1",))), client_ca=client.cert_pem) as server:
+        server.answer = vector(({}, "0.042"))
+        access.context.load_verify_locations(cadata=ca.cert_pem)
+        assert read_prometheus(f"https://127.0.0.1:{server.port}", "q", access=access) == 0.042
+        assert server.peer_certificates == ["tandem-operator"]
 
 
 def test_credentials_do_not_follow_a_redirect(https, ca):

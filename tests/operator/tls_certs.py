@@ -1,4 +1,4 @@
-"""Throwaway X.509: a self-signed CA and the server certificates it issues, for test servers over TLS."""
+"""Throwaway X.509: a self-signed CA and the server (or client) certificates it issues, for tests over TLS."""
 
 from __future__ import annotations
 
@@ -42,15 +42,17 @@ class CA:
                      .sign(self.key, hashes.SHA256()))
         self.cert_pem = self.cert.public_bytes(serialization.Encoding.PEM).decode()
 
-    def issue(self, dns_names: tuple[str, ...] = (), ips: tuple[str, ...] = ()) -> Issued:
-        """A server certificate for `dns_names` and `ips` (subject alternative names)."""
+    def issue(self, dns_names: tuple[str, ...] = (), ips: tuple[str, ...] = (), client: bool = False) -> Issued:
+        """A server certificate for `dns_names` and `ips` (subject alternative names); with `client`, a
+        client certificate (mutual TLS) named by the first of them."""
         key = ec.generate_private_key(ec.SECP256R1())
         names = [x509.DNSName(n) for n in dns_names] + [x509.IPAddress(ipaddress.ip_address(a)) for a in ips]
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, (dns_names or ips)[0])])
         cert = (_builder(subject, self.name, key.public_key())
                 .add_extension(x509.SubjectAlternativeName(names), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.CLIENT_AUTH if client
+                                                      else x509.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
                 .sign(self.key, hashes.SHA256()))
         key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption()).decode()

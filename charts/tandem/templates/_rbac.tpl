@@ -64,6 +64,10 @@ What the operator does to HybridModels and their children, in the namespaces it 
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
+# A Prometheus' CA bundle (metrics.prometheus.tls.caConfigMap), read the same way.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get"]
 # Warnings, repairs and scaling decisions are reported as Events on the HybridModel.
 - apiGroups: [""]
   resources: ["events"]
