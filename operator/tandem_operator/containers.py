@@ -60,6 +60,7 @@ def build_attention_container(spec: HybridModelSpec) -> dict:
         FLAGS["cpu_decode"] if spec.kvCache.cpuDecode else FLAGS["no_cpu_decode"],
         *_spin_args(spec),
         *_unless_default("num_scheduler_steps", spec.attention.numSchedulerSteps, 1),
+        *_unless_default("scheduling_policy", spec.attention.schedulingPolicy, "fcfs"),
         # the attention process writes the KV and publishes the CPU tier's dtype to the experts process
         *_unless_default("kv_cache_dtype", spec.kvCache.dtype, "auto"),
     ]

@@ -48,6 +48,7 @@ class AttentionSpec:
     cpus: int = 4
     memory: str = "32Gi"
     numSchedulerSteps: int = 1  # decode tokens per engine step while only decodes run (multi-step)
+    schedulingPolicy: str = "fcfs"  # or "priority": GenerateRequest.priority orders the engine's queues
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ def _attention(raw: Mapping) -> AttentionSpec:
         cpus=_int(raw, "cpus", "spec.attention", 4, minimum=1),
         memory=_quantity(raw, "memory", "spec.attention", "32Gi"),
         numSchedulerSteps=_int(raw, "numSchedulerSteps", "spec.attention", 1, minimum=1, maximum=64),
+        schedulingPolicy=_choice(raw, "schedulingPolicy", "spec.attention", "fcfs", contract.SCHEDULING_POLICIES),
     )
 
 

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-logprobs", type=int,
                      help="with --json: each prompt token's log-probability (after the first) and the N likeliest")
     gen.add_argument("--seed", type=int, help="seed of this request's sampling (default: unseeded)")
+    gen.add_argument("--priority", type=int, default=0,
+                     help="with --server: the request's priority under the server's priority scheduling policy, "
+                          "lower first (default 0)")
     gen.add_argument("--n", type=int, default=1,
                      help="completions to generate, each sampled on its own (completion i with seed + i), printed "
                           "one by one labelled by index; with --json, one object a line (default 1)")
@@ -311,6 +314,9 @@ def cmd_generate(args) -> int:
             raise UsageError(f"{', '.join(given)}: engine flags, for --model; with --server the server's own "
                              f"settings apply")
         return run_remote_generate(args)
+    if args.priority:
+        raise UsageError("--priority: for --server, whose scheduler orders requests by it; one request here has "
+                         "nothing to wait for")
     from tandem.engine.sampling_params import InvalidRequest
 
     engine = build_engine(args)
@@ -326,7 +332,7 @@ def cmd_generate(args) -> int:
         raise UsageError(str(e)) from None
     for r in results:
         print_result(args, r.token_ids, r.text if engine.tokenizer else None, r.finish_reason, r.num_prompt_tokens,
-                     r.num_cached_tokens, r.logprobs, r.prompt_logprobs, r.index)
+                     r.num_cached_tokens, r.logprobs, r.prompt_logprobs, r.index, r.stop_reason)
     if any(r.finish_reason == "error" for r in results):  # the engine logged why
         print("tandem: error: the forward pass failed", file=sys.stderr)
         return 1
@@ -334,12 +340,13 @@ def cmd_generate(args) -> int:
 
 
 def print_result(args, token_ids, text, finish_reason, prompt_tokens, cached_tokens, logprobs=None,
-                 prompt_logprobs=None, index: int = 0) -> None:
+                 prompt_logprobs=None, index: int = 0, stop_reason: int | str | None = None) -> None:
     """One completion: logprobs a TokenLogprobs per token, when asked for; prompt_logprobs one per
-    prompt token, None for the first. With --n above 1 it is labelled with its index."""
+    prompt token, None for the first; stop_reason the stop token id or string that ended it. With
+    --n above 1 it is labelled with its index."""
     if args.json:
         obj = {"index": index} if args.n > 1 else {}
-        obj |= {"token_ids": token_ids, "finish_reason": finish_reason,
+        obj |= {"token_ids": token_ids, "finish_reason": finish_reason, "stop_reason": stop_reason,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
                           "cached_tokens": cached_tokens}}
         if text is not None:

@@ -80,10 +80,15 @@ SERVE_FLAGS = {
     "num_scheduler_steps": "--num-scheduler-steps",  # rendered only when spec.attention.numSchedulerSteps != 1
     # the KV cache's dtype, both tiers (vLLM's flag); rendered only when spec.kvCache.dtype != auto
     "kv_cache_dtype": "--kv-cache-dtype",
+    # vLLM's flag: fcfs or priority (GenerateRequest.priority); rendered only when spec.attention.schedulingPolicy
+    # is priority
+    "scheduling_policy": "--scheduling-policy",
 }
 EXPERT_QUANTS = ("none", "int8", "int4")
 # --kv-cache-dtype: "auto" (the model's dtype) or float8 e4m3, named "fp8" or, as vLLM also names it, "fp8_e4m3"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# --scheduling-policy: first come, first served, or by each request's priority (tandem.engine.scheduler)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # The experts role shares its pod's network namespace with the attention role, so its own
 # metrics endpoint needs a port of its own.

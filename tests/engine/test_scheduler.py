@@ -413,7 +413,8 @@ def test_abort_between_schedule_and_update_is_ignored_by_update():
 
 @pytest.mark.parametrize("params, tokens, reason, stop_reason, n", [
     (dict(max_tokens=3), [5, 6, 7, 8], "length", None, 3),
-    (dict(max_tokens=9), [5, EOS, 7], "stop", EOS, 2),
+    (dict(max_tokens=9), [5, EOS, 7], "stop", None, 2),
+    (dict(max_tokens=9, stop_token_ids=(EOS,)), [5, EOS, 7], "stop", EOS, 2),  # named as a stop token
     (dict(max_tokens=4, ignore_eos=True), [EOS, EOS, EOS, EOS, EOS], "length", None, 4),
     (dict(max_tokens=9, stop_token_ids=(42,)), [5, 42, 7], "stop", 42, 2),
 ])

@@ -21,7 +21,8 @@ SPECS = {
     "hostpath-int8": {**BASE,
                       "model": {"path": "", "volume": {"hostPath": {"path": "/srv/models", "type": "Directory"}}},
                       "experts": {"cpus": 48, "memory": "384Gi", "threads": 46, "quantization": "int8"},
-                      "attention": {"gpus": 2, "cpus": 8, "memory": "64Gi", "numSchedulerSteps": 8},
+                      "attention": {"gpus": 2, "cpus": 8, "memory": "64Gi", "numSchedulerSteps": 8,
+                                    "schedulingPolicy": "priority"},
                       "replicas": 3},
     "custom-placement": {**BASE, "placement": {
         "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
@@ -303,6 +304,19 @@ def test_the_kv_cache_dtype_reaches_the_attention_container_only_when_not_auto(d
         assert attention["args"][attention["args"].index(flag) + 1] == dtype
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_scheduling_policy_reaches_the_attention_container_only_when_not_fcfs(policy):
+    raw = copy.deepcopy(BASE)
+    raw["attention"] = {"schedulingPolicy": policy}
+    attention, experts = containers(raw)["attention"], containers(raw)["experts"]
+    flag = contract.SERVE_FLAGS["scheduling_policy"]
+    assert flag not in experts["args"]  # the experts run no scheduler
+    if policy == "fcfs":  # the default renders nothing, so an operator upgrade leaves existing pods as they are
+        assert flag not in attention["args"] and attention["args"] == containers(BASE)["attention"]["args"]
+    else:
+        assert attention["args"][attention["args"].index(flag) + 1] == policy
+
+
 def test_an_unknown_kv_cache_dtype_is_refused_by_name():
     raw = copy.deepcopy(BASE)
     raw["kvCache"] = {"dtype": "fp8_e5m2"}
@@ -325,6 +339,7 @@ def test_container_args_are_what_tandem_serve_accepts(name):
             assert opts.cpu_decode is spec.kvCache.cpuDecode
             assert opts.gpu_memory_fraction == spec.kvCache.gpuMemoryFraction
             assert opts.num_scheduler_steps == spec.attention.numSchedulerSteps
+            assert opts.scheduling_policy == spec.attention.schedulingPolicy
             assert opts.kv_cache_dtype == spec.kvCache.dtype
             assert opts.experts_shm is None
         else:

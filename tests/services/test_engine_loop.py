@@ -5,6 +5,7 @@ thread that dies."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import pytest
@@ -232,3 +233,34 @@ async def test_cancel_all_ends_each_of_a_requests_completions_once(loop):
     assert value(contract.REQUESTS + "_total", {"outcome": "cancelled"}) == 1
     stats = await loop.run_on_engine(lambda engine: engine.stats())
     assert sum(stats.kv_blocks_used.values()) == 0 and stream.empty()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+async def test_a_structured_request_compiles_once_and_makes_a_matcher_per_completion(loop, monkeypatch, n):
+    from tandem.engine.sampling_params import StructuredOutputs
+    from tandem.engine.structured import Constraint
+
+    compiled_on, made = [], []
+    compile_, init = loop.engine._grammars.compile, Constraint.__init__
+
+    def compile_counted(constraint):
+        compiled_on.append(threading.current_thread())
+        return compile_(constraint)
+
+    def init_counted(self, *args, **kwargs):  # a Constraint is a matcher of its own (compiled or copied)
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(loop.engine._grammars, "compile", compile_counted)
+    monkeypatch.setattr(Constraint, "__init__", init_counted)
+    regex = "[ab]{4}"
+    stream = await loop.submit("s", "Answer:", SamplingParams(max_tokens=16, temperature=1.0, seed=3, n=n,
+                                                              structured_outputs=StructuredOutputs(regex=regex)))
+    texts, finished = dict.fromkeys(range(n), ""), 0
+    while finished < n:
+        out = await asyncio.wait_for(stream.get(), 30)
+        texts[out.index] += out.text
+        finished += out.finished
+    assert len(compiled_on) == 1 and loop._thread not in compiled_on  # once, in a worker thread
+    assert len({id(c.matcher) for c in made}) == len(made) == n  # n matchers, not n + 1
+    assert all(re.fullmatch(regex, t) for t in texts.values()), texts

@@ -188,7 +188,8 @@ async def check_remote_generate_matches_local(model, *addresses: str) -> None:
         outputs.append(await asyncio.to_thread(run_cli, ["generate", *where, *flags]))
     assert {code for code, _, _ in outputs} == {0}
     local = json.loads(outputs[0][1])
-    assert set(local) == {"token_ids", "text", "finish_reason", "usage"} and local["usage"]["prompt_tokens"] > 0
+    assert set(local) == {"token_ids", "text", "finish_reason", "stop_reason", "usage"}
+    assert local["usage"]["prompt_tokens"] > 0
     assert [out for _, out, _ in outputs[1:]] == [outputs[0][1]] * len(addresses)
     # the sampling flags reach the server, and logprobs come back one per token
     flags += ["--logprobs", "2", "--repetition-penalty", "1.3", "--min-p", "0.1", "--prompt-logprobs", "1"]

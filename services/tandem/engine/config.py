@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tandem.contract import KV_CACHE_DTYPES
+from tandem.contract import KV_CACHE_DTYPES, SCHEDULING_POLICIES
 from tandem.experts.device_prefill import DEFAULT_MIN_TOKENS as DEVICE_PREFILL_TOKENS
 
 @dataclass
@@ -45,6 +45,9 @@ class EngineConfig:
     # "fp8_e4m3"), float8 e4m3 with the checkpoint's KV scales or 1.0: half a bf16 block's bytes,
     # twice the tokens in the same memory (tandem.kv.fp8).
     kv_cache_dtype: str = "auto"
+    # Which request runs first (vLLM's --scheduling-policy): "fcfs", by arrival; "priority", by each
+    # request's priority, lower first, then arrival (see tandem.engine.scheduler).
+    scheduling_policy: str = "fcfs"
 
     DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -68,6 +71,9 @@ class EngineConfig:
             raise ValueError(f"num_cpu_blocks must be at least 0, got {self.num_cpu_blocks}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
 
 
 def context_length(model_config, config: EngineConfig) -> int:

@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
         self.hold = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
         self.text = ""  # all output text decoded so far (before stop truncation)
+        self.stop_str: str | None = None  # the stop string that ended the text, once one has
         self.emitted = 0  # characters already streamed
         self._prompt_tail = prompt_ids[-WINDOW:]
         self._stream = self._new_stream()
@@ -50,6 +51,7 @@ class IncrementalDetokenizer:
         hits = [(at, s) for s in self.stop if (at := self.text.find(s, max(0, start - len(s) + 1))) != -1]
         if hits:
             at, s = min(hits, key=lambda hit: hit[0])
+            self.stop_str = s
             return self._emit(at + len(s) if self.include_stop else at), True
         return self._emit(max(self.emitted, len(self.text) - self.hold)), False
 

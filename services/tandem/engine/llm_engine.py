@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,12 +16,12 @@ import torch
 from tandem.engine import cuda_graph
 from tandem.engine.chat import ChatMessage, ChatTemplate
 from tandem.engine.config import EngineConfig, EngineStats, context_length
-from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.logits_processors import bad_words_token_ids
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.requests import Completion, Requests
 from tandem.engine.sampling_params import (DuplicateRequest, InvalidRequest, RequestOutput, SamplingParams,
-                                           TokenLogprobs, check_in_vocabulary)
-from tandem.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerOutput
+                                           check_in_vocabulary)
+from tandem.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.engine.sequence import Sequence
 from tandem.engine.structured import Constraint, Grammars
 from tandem.experts.base import ExpertExecutor, ExpertsUnavailable
@@ -36,21 +36,6 @@ from tandem.model.moe import wrap_executors
 GiB = 1 << 30
 log = logging.getLogger(__name__)
 MAX_REQUEST_ID = 256  # characters
-
-
-@dataclass
-class Completion:
-    """A finished completion of a request, as `LLMEngine.generate` returns it."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (None for the first)
-    index: int = 0  # which of the request's SamplingParams.n completions (prompt_logprobs come with 0's)
 
 
 class LLMEngine:
@@ -71,7 +56,7 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, max_waiting=config.max_waiting, cpu_decode=config.cpu_decode,
-            num_scheduler_steps=config.num_scheduler_steps)
+            num_scheduler_steps=config.num_scheduler_steps, policy=config.scheduling_policy)
         try:
             self.scheduler = Scheduler(scheduler_config, self.block_manager, set(cfg.eos_token_ids))
         except ValueError as exc:  # tiers too small: say which settings made them so
@@ -82,8 +67,7 @@ class LLMEngine:
         except BaseException:
             self.close()  # nothing of a failed engine stays behind in shared memory
             raise
-        self.requests: dict[str, _Request] = {}  # by request id, until its last completion finishes
-        self._completions: dict[str, _Completion] = {}  # the unfinished ones, by their sequence's id
+        self.requests = Requests(tokenizer, device)  # by request id, until its last completion finishes
         self._pending = None  # a scheduled step whose forward pass has not completed
         # Requests failed by a failed KV copy, returned with their step's outputs (kept across a
         # retry while the experts are unavailable).
@@ -176,43 +160,29 @@ class LLMEngine:
     def compile_constraint(self, params: SamplingParams) -> Constraint | None:
         """A fresh matcher for the request's structured output (None without one); InvalidRequest when it
         does not compile or the model has no tokenizer. Safe from any thread: EngineLoop compiles in a
-        worker thread first, so that admitting the request finds it compiled (Grammars caches)."""
+        worker thread (a complex schema takes a while) and hands the matcher to add_request."""
         if params.structured_outputs is None:
             return None
         if self._grammars is None:
             raise InvalidRequest("structured_outputs", "needs the model's tokenizer; this model has no tokenizer.json")
         return self._grammars.compile(params.structured_outputs)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    constraint: Constraint | None = None, priority: int = 0) -> None:
         """Queue a request: its SamplingParams.n completions, a sequence each, on one prompt prefilled
-        once (see tandem.engine.scheduler). Raises InvalidRequest for bad input, QueueFull when the
-        waiting queue is full."""
+        once (see tandem.engine.scheduler). `constraint`: its structured output compiled already
+        (compile_constraint), completion 0's matcher, the others' a copy each; None: compiled here.
+        `priority`: lower first, under the priority scheduling policy (EngineConfig.scheduling_policy).
+        Raises InvalidRequest for bad input, QueueFull when the waiting queue is full."""
         self._validate(request_id, prompt_token_ids, params)
+        if constraint is None:
+            constraint = self.compile_constraint(params)
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, self.model_config.vocab_size) \
             if params.bad_words else None
-        completions = [self._completion(request_id, i, prompt_token_ids, params, bad_words) for i in range(params.n)]
-        seqs = [c.seq for c in completions]
-        self.scheduler.add(seqs[0], seqs[1:])  # last: whatever raises before it leaves nothing queued
-        self.requests[request_id] = _Request(completions)
-        self._completions.update((c.seq.request_id, c) for c in completions)
-
-    def _completion(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
-                    bad_words: list[list[int]] | None) -> _Completion:
-        """Completion `index` of a request: its sequence, with a structured output's matcher of its own
-        and the bad words' token sequences, its generator (seeded with seed + index) and its detokenizer."""
-        if index > 0:  # the prompt is scored once, by completion 0
-            params = replace(params, prompt_logprobs=None)
-        seq = Sequence(sequence_id(request_id, index, params.n), list(prompt), params,
-                       constraint=self.compile_constraint(params), bad_words_token_ids=bad_words)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(completion_seed(params.seed, index))
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, params.stop, min_tokens=params.min_tokens,
-                include_stop=params.include_stop_str_in_output, skip_special_tokens=params.skip_special_tokens)
-        return _Completion(request_id, index, seq, generator, detok)
+        request = self.requests.create(request_id, prompt_token_ids, params, constraint, bad_words, priority)
+        first, *others = request.seqs
+        self.scheduler.add(first, others)  # whatever raises before it leaves nothing queued
+        self.requests.add(request)
 
     def _validate(self, request_id, prompt, params: SamplingParams) -> None:
         if not request_id:
@@ -241,17 +211,14 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Cancel a request: every completion of it still unfinished, whose KV blocks are freed at once.
         Returns their last outputs (finish_reason "cancelled"); none for a request unknown or finished."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return []
-        unfinished = [c for c in req.completions if c.seq.request_id in self._completions]
+        unfinished = self.requests.unfinished(request_id)
         seq_ids = {c.seq.request_id for c in unfinished}
         if self._pending is not None:
             self._pending.scheduled = [s for s in self._pending.scheduled if s.seq.request_id not in seq_ids]
         for c in unfinished:
             self.scheduler.abort(c.seq.request_id)
             c.seq.finish_reason = "cancelled"
-        return [self._output(c, finished=True) for c in unfinished]
+        return [self.requests.output(c, finished=True) for c in unfinished]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -292,7 +259,7 @@ class LLMEngine:
     def _execute(self, out: SchedulerOutput, emit: Callable[[list[RequestOutput]], None] | None,
                  interrupted: Callable[[], bool] | None) -> list[RequestOutput]:
         """The forward pass of the pending step `out`, and its postprocessing."""
-        generators = {s.seq.request_id: self._completions[s.seq.request_id].generator for s in out.scheduled}
+        generators = {s.seq.request_id: self.requests.completion(s.seq).generator for s in out.scheduled}
         streamed = None
         if emit is not None and out.scheduled and out.scheduled[0].num_steps > 1:
             streamed = _StreamedRun(self, out, emit, interrupted)
@@ -305,63 +272,33 @@ class LLMEngine:
             log.exception("forward pass failed; finishing %d requests with reason 'error'", len(out.scheduled))
             self._pending = None
             # (a streamed run may have finished some of them already, and emitted their tokens)
-            return [self._fail(s.seq) for s in out.scheduled if s.seq.request_id in self._completions]
+            return [self._fail(s.seq) for s in out.scheduled if self.requests.completion(s.seq)]
         self._pending = None
         if streamed is not None:
             streamed.check_done(sampled)
             return []
-        changed = self.scheduler.update(out, sampled)
-        return [self._postprocess(seq) for seq in changed if seq.request_id in self._completions]
+        return self._postprocess(self.scheduler.update(out, sampled))
 
     def _fail(self, seq: Sequence) -> RequestOutput:
         self.scheduler.finish(seq.request_id, "error")
-        return self._output(self._completions[seq.request_id], finished=True)
+        return self.requests.output(self.requests.completion(seq), finished=True)
 
-    def _postprocess(self, seq: Sequence) -> RequestOutput:
-        comp = self._completions[seq.request_id]
-        if comp.detok is not None:
-            new = seq.output_token_ids[comp.reported:]
-            # With stop strings, the tokens of a multi-step decode go in one at a time: those after
-            # the token that completes a stop string are dropped, as the scheduler drops a stop token's.
-            for i, chunk in enumerate([[t] for t in new] if comp.detok.stop and len(new) > 1 else [new]):
-                delta, hit = comp.detok.add(chunk)
-                comp.pending_text += delta
-                if hit:
-                    del seq.output_token_ids[comp.reported + i + len(chunk):]
-                    comp.stopped_by_string = True
-                    if seq.is_finished:  # by the same token, for its length: the stop string comes first
-                        seq.finish_reason = "stop"
-                    else:
-                        self.scheduler.finish(seq.request_id, "stop")
-                    break
-        return self._output(comp, finished=seq.is_finished)
-
-    def _output(self, comp: _Completion, finished: bool) -> RequestOutput:
-        seq = comp.seq
-        new = seq.output_token_ids[comp.reported:]
-        logprobs = None if seq.logprobs is None else seq.logprobs[comp.reported:seq.num_output_tokens]
-        prompt_logprobs = None
-        if seq.prompt_logprobs is not None and not comp.prompt_reported and not seq.needs_prompt_logprobs:
-            prompt_logprobs, comp.prompt_reported = list(seq.prompt_logprobs), True
-        text, comp.pending_text = comp.pending_text, ""
-        if comp.detok is not None:
-            if len(comp.detok.ids) < seq.num_output_tokens:
-                delta, _ = comp.detok.add(seq.output_token_ids[len(comp.detok.ids):])
-                text += delta
-            if finished and not comp.stopped_by_string:  # the tail held back in case a stop string began there
-                text += comp.detok.flush()
-        comp.reported = seq.num_output_tokens
-        if finished:
-            del self._completions[seq.request_id]
-            siblings = self.requests[comp.request_id].completions
-            if not any(c.seq.request_id in self._completions for c in siblings):
-                del self.requests[comp.request_id]  # its last completion
-        return RequestOutput(
-            request_id=comp.request_id, new_token_ids=list(new), finished=finished,
-            finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens, text=text,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=comp.index,
-        )
+    def _postprocess(self, changed: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the sequences a step changed, after their stop strings; none for a
+        sequence aborted or failed meanwhile."""
+        outputs = []
+        for seq in changed:
+            comp = self.requests.completion(seq)
+            if comp is None:
+                continue
+            stop = comp.detokenize()
+            if stop is not None:  # a stop string ended it
+                if seq.is_finished:  # by the same token, for its length: the stop string comes first
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                else:
+                    self.scheduler.finish(seq.request_id, "stop", stop)
+            outputs.append(self.requests.output(comp, finished=seq.is_finished))
+        return outputs
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -383,26 +320,11 @@ class LLMEngine:
         ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params):
             self.add_request(rid, prompt, p)
-        keys = [(rid, i) for rid, p in zip(ids, params) for i in range(p.n)]
-        done: dict[tuple[str, int], Completion] = {}
-        logprobs_of = {rid: p.logprobs for rid, p in zip(ids, params)}
-        acc = {(rid, i): ([], [], None if logprobs_of[rid] is None else []) for rid, i in keys}
-        scored: dict[tuple[str, int], list] = {}
-        while len(done) < len(keys):
+        outputs = {(rid, i): [] for rid, p in zip(ids, params) for i in range(p.n)}  # each completion's, in order
+        while not all(o and o[-1].finished for o in outputs.values()):
             for out in self.step():
-                key = out.request_id, out.index
-                tokens, texts, logprobs = acc[key]
-                tokens.extend(out.new_token_ids)
-                texts.append(out.text)
-                if logprobs is not None:
-                    logprobs.extend(out.logprobs)
-                if out.prompt_logprobs is not None:
-                    scored[key] = out.prompt_logprobs
-                if out.finished:
-                    done[key] = Completion(out.request_id, tokens, "".join(texts), out.finish_reason,
-                                           out.num_prompt_tokens, out.num_cached_tokens, logprobs, scored.get(key),
-                                           out.index)
-        return [done[key] for key in keys]
+                outputs[out.request_id, out.index].append(out)
+        return [Completion.from_outputs(o) for o in outputs.values()]
 
 
 def stream_prefill_experts(model, device: torch.device, min_tokens: int, pin: bool) -> list:
@@ -441,7 +363,7 @@ class _StreamedRun:
         engine, self.steps = self.engine, i + 1
         step = SchedulerOutput([replace(w, start_pos=w.start_pos + i, num_steps=1) for w in self.scheduled])
         changed = engine.scheduler.update(step, {w.seq.request_id: t for w, t in zip(self.scheduled, tokens)})
-        outputs = [engine._postprocess(seq) for seq in changed if seq.request_id in engine._completions]
+        outputs = engine._postprocess(changed)
         if outputs:
             self.emit(outputs)
         running = any(not w.seq.is_finished for w in self.scheduled)
@@ -452,35 +374,3 @@ class _StreamedRun:
         done = max((len(t) for t in sampled.values()), default=0)
         if done != self.steps:
             raise RuntimeError(f"a streamed run returned {done} steps, {self.steps} applied")
-
-
-def sequence_id(request_id: str, index: int, n: int) -> str:
-    """The scheduler's id of completion `index` of a request for `n`: the request's own id for one
-    completion (unless it holds a '#'), else f"{request_id}#{index}". Two (request id, index) pairs
-    never share one: an id with a '#' splits back into them at its last '#'."""
-    return request_id if n == 1 and "#" not in request_id else f"{request_id}#{index}"
-
-
-def completion_seed(seed: int, index: int) -> int:
-    """Completion `index`'s seed: seed + index, wrapped past torch's largest seed (2**64 - 1) into
-    the negative seeds it also takes."""
-    seeded = seed + index
-    return seeded - (1 << 64) if seed < 1 << 64 <= seeded else seeded
-
-
-@dataclass
-class _Request:
-    completions: list[_Completion]  # by index; the request is over when the last one finishes
-
-
-@dataclass
-class _Completion:
-    request_id: str
-    index: int
-    seq: Sequence
-    generator: torch.Generator | None
-    detok: IncrementalDetokenizer | None
-    reported: int = 0  # output tokens already returned
-    pending_text: str = ""
-    stopped_by_string: bool = False  # its text ends before a stop string
-    prompt_reported: bool = False  # its prompt logprobs returned

@@ -281,3 +281,6 @@ class RequestOutput:
     # (of completion 0 only: the prompt is scored once).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     index: int = 0  # which of the request's SamplingParams.n completions this output is of
+    # When finished "stop": the stop token id (of stop_token_ids) or stop string that ended it; None
+    # for an end-of-sequence token or a complete structured output (as vLLM's CompletionOutput).
+    stop_reason: int | str | None = None

@@ -5,8 +5,14 @@ limit (max_num_seqs). Running sequences go first (decodes, then unfinished prefi
 continue in chunks), then swapped-out sequences come back if the device tier has room, then
 waiting sequences are admitted in arrival order, reusing cached prefixes. When a running
 sequence cannot get a block, the most recently arrived running sequence is preempted: swapped
-to the CPU tier if it fits there, else freed and re-queued at the front of waiting to be
+to the CPU tier if it fits there, else freed and re-queued in waiting by its arrival to be
 recomputed (prompt and outputs re-prefilled; nothing is lost). New work never preempts.
+
+With the `priority` policy (vLLM's `--scheduling-policy priority`), each request's priority (lower
+first; ties by arrival) orders all of that instead of arrival alone: waiting and swapped-out
+sequences are taken from the highest priority, and the lowest-priority running sequence is the one
+preempted (the latest-arrived among equals). As in vLLM, a waiting request never preempts a
+running one, whatever its priority: it is next in line for the blocks they free.
 
 With `num_scheduler_steps` N > 1 (vLLM's multi-step scheduling), a step in which every running
 sequence is decoding on the device tier, and nothing waits or is swapped out, decodes up to N
@@ -37,10 +43,12 @@ between steps.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from tandem.contract import SCHEDULING_POLICIES
 from tandem.engine.sampling_params import NO_TOKEN, DuplicateRequest, InvalidRequest
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.kv.block_manager import CPU, DEVICE, KVBlockManager
@@ -64,6 +72,7 @@ class SchedulerConfig:
     max_waiting: int = 1024  # queued requests before add() refuses
     cpu_decode: bool = False  # offload to the CPU tier and keep running, instead of swapping out
     num_scheduler_steps: int = 1  # decode tokens per scheduled step when only decodes run (see above)
+    policy: str = "fcfs"  # or "priority": requests' priorities order the queues (see above)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting", "num_scheduler_steps"):
@@ -73,6 +82,8 @@ class SchedulerConfig:
         if self.max_model_len < 2:
             raise ValueError(f"SchedulerConfig.max_model_len must leave room for one output token, "
                              f"got {self.max_model_len}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"SchedulerConfig.policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
 
 @dataclass
@@ -138,9 +149,9 @@ class Scheduler:
         self.block_manager = block_manager
         self._device = block_manager.num_total_blocks(DEVICE)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # by rank (Sequence.rank: priority, then arrival)
         self.running: list[Sequence] = []
-        self.swapped: list[Sequence] = []  # in arrival order
+        self.swapped: list[Sequence] = []  # by rank
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
         # A request's other completions, held (status WAITING, not in `waiting`) until the first one's
         # prompt is computed: by the first one's id, and each held one's first one's id.
@@ -168,18 +179,22 @@ class Scheduler:
                                                f"within max_model_len={self.config.max_model_len}")
             if s.status is not SequenceStatus.WAITING or s.num_computed_tokens or s.output_token_ids:
                 raise InvalidRequest("request_id", f"{s.request_id!r} is not a new request")
+            if s.priority != 0 and self.config.policy != "priority":
+                raise InvalidRequest("priority", f"{s.priority} needs the priority scheduling policy; this server "
+                                                 f"schedules first come, first served (--scheduling-policy)")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting={self.config.max_waiting})")
         for s in group:
             s.params = s.params.within(self.config.max_model_len - s.num_prompt_tokens)  # an unset max_tokens
             self._seqs[s.request_id] = s
-        self.waiting.append(seq)
+        self._queue(seq)
         bm = self.block_manager
         if siblings and bm.enable_prefix_caching and seq.num_prompt_tokens > bm.block_size:  # a full block to share
             self._held[seq.request_id] = list(siblings)
             self._held_for.update((s.request_id, seq.request_id) for s in siblings)
         else:
-            self.waiting.extend(siblings)
+            for s in siblings:
+                self._queue(s)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Cancel a request and free its blocks now. None if it is unknown or already finished."""
@@ -259,14 +274,14 @@ class Scheduler:
             if not bm.allocate_slots(seq, steps):
                 raise RuntimeError("block manager refused slots that were free")
         out = SchedulerOutput(num_batched_tokens=len(self.running))
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        for seq in sorted(self.running, key=lambda s: s.rank):
             out.scheduled.append(ScheduledSeq(seq, [seq.last_token_id], seq.num_computed_tokens, bm.block_table(seq),
                                               sample=True, num_steps=steps))
         return out
 
     def _schedule_running(self, step: _Step) -> None:
         # decodes first: they are latency bound, and each costs one token of the budget
-        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.arrival))
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.rank))
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -277,7 +292,7 @@ class Scheduler:
                 # Only a sequence in the same tier frees blocks that seq can use.
                 tier = self.block_manager.tier_of(seq)
                 victim = max((s for s in self.running if self.block_manager.tier_of(s) == tier),
-                             key=lambda s: s.arrival)
+                             key=lambda s: s.rank)
                 if tier == DEVICE and self.config.cpu_decode and self._offload(victim, step):
                     continue  # seq retries: on the device if a victim made room, else on the CPU tier
                 self._preempt(victim, step)
@@ -314,7 +329,7 @@ class Scheduler:
                 num_cached -= self.block_manager.block_size
                 num_new = min(seq.num_tokens - num_cached, step.budget)
             if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
-                return  # first come, first served: later requests do not jump ahead
+                return  # in order: later (or lower-priority) requests do not jump ahead
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
             if seq.num_preemptions == 0:
@@ -361,15 +376,14 @@ class Scheduler:
             step.out.swap_out += pairs
             step.out.swapping.append(seq)
             seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(seq)
-            self.swapped.sort(key=lambda s: s.arrival)
+            bisect.insort(self.swapped, seq, key=lambda s: s.rank)
         else:
             if seq in step.out.swapping:  # offloaded earlier in this step: the copy no longer carries its KV
                 step.out.swapping.remove(seq)
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
+            self._queue(seq)
 
     # update
 
@@ -422,7 +436,7 @@ class Scheduler:
         if token in params.stop_token_ids:
             return "stop", token
         if token in self.eos_token_ids and not params.ignore_eos:
-            return "stop", token
+            return "stop", None  # vLLM's stop_reason: only a stop token or string is named
         constraint = seq.constraint  # tandem.engine.structured.Constraint
         if constraint is not None and constraint.failed_at == seq.num_output_tokens:
             return "error", None  # the matcher refused the token (logged by tandem.engine.structured)
@@ -433,11 +447,14 @@ class Scheduler:
         return None, None
 
     def _release(self, seq: Sequence) -> None:
-        """Queue the completions held for seq's prompt, at the front: their request is already running."""
-        held = self._held.pop(seq.request_id, ())
-        for s in held:
+        """Queue the completions held for seq's prompt (by their request's rank, ahead of what came after)."""
+        for s in self._held.pop(seq.request_id, ()):
             del self._held_for[s.request_id]
-        self.waiting.extendleft(reversed(held))
+            self._queue(s)
+
+    def _queue(self, seq: Sequence) -> None:
+        """Into waiting by rank: a preempted sequence or a released completion goes ahead of later arrivals."""
+        bisect.insort(self.waiting, seq, key=lambda s: s.rank)
 
     def _retire(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         self._release(seq)  # should it end before its prompt is computed, they compute the prompt themselves

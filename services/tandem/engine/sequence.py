@@ -23,7 +23,8 @@ class Sequence:
     """A prompt and the tokens generated for it so far.
 
     `num_computed_tokens` counts tokens whose KV is in the cache; the scheduler advances it.
-    `arrival` orders requests (earlier arrivals are preempted last).
+    `rank` orders requests: by `priority` (lower first, as vLLM's; always 0 under the first-come,
+    first-served policy), then `arrival` (earlier first); the last in that order is preempted first.
     """
 
     request_id: str
@@ -37,6 +38,7 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrivals))
+    priority: int = 0
     # With params.logprobs set, the model runner appends each sampled token's (TokenLogprobs) as it is
     # sampled, before the scheduler appends the token: entry i is output token i's. Entries past the
     # output belong to tokens dropped after a stop.
@@ -62,10 +64,17 @@ class Sequence:
         self.prompt_token_ids = tokens
         if not isinstance(self.params, SamplingParams):
             raise InvalidRequest("params", f"must be SamplingParams, got {type(self.params).__name__}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise InvalidRequest("priority", f"must be an integer, got {self.priority!r}")
         if self.logprobs is None and self.params.logprobs is not None:
             self.logprobs = []
         if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """The scheduler's order: admitted (and kept) from the lowest, preempted from the highest."""
+        return self.priority, self.arrival
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -31,7 +31,7 @@ def build_request(args) -> inference_pb2.GenerateRequest:
             sampling.structured_outputs.choice.values.extend(value)
         else:
             setattr(sampling.structured_outputs, kind, value)
-    request = inference_pb2.GenerateRequest(sampling=sampling)
+    request = inference_pb2.GenerateRequest(sampling=sampling, priority=args.priority)
     if args.chat is not None:
         request.messages.extend(inference_pb2.ChatMessage(role=r, content=c) for r, c in parse_chat(args.chat))
     elif args.prompt_ids:
@@ -61,8 +61,13 @@ def collect(stub, request, timeout_s: float | None = None) -> list[dict]:
         part["last"] = response
     if any(p["last"] is None or not p["last"].finish_reason for p in parts):
         raise RuntimeError("the server closed the stream without a final message for each completion")
+    def stop_reason(last):
+        kind = last.WhichOneof("stop_reason")
+        return None if kind is None else getattr(last, kind)
+
     return [{"index": i, "token_ids": p["token_ids"], "text": "".join(p["texts"]),
-             "finish_reason": p["last"].finish_reason, "prompt_tokens": p["last"].usage.prompt_tokens,
+             "finish_reason": p["last"].finish_reason, "stop_reason": stop_reason(p["last"]),
+             "prompt_tokens": p["last"].usage.prompt_tokens,
              "cached_tokens": p["last"].usage.cached_tokens,
              "logprobs": p["logprobs"] if request.sampling.HasField("logprobs") else None,
              "prompt_logprobs": p["prompt_logprobs"] if request.sampling.HasField("prompt_logprobs") and i == 0
@@ -91,5 +96,6 @@ def run_remote_generate(args) -> int:
     for result in results:
         text = result["text"] if info.has_tokenizer else None
         print_result(args, result["token_ids"], text, result["finish_reason"], result["prompt_tokens"],
-                     result["cached_tokens"], result["logprobs"], result["prompt_logprobs"], result["index"])
+                     result["cached_tokens"], result["logprobs"], result["prompt_logprobs"], result["index"],
+                     result["stop_reason"])
     return 0

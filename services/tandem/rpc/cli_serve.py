@@ -73,6 +73,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="decode tokens per engine step while only decodes run (vLLM's multi-step scheduling): "
                         "the scheduling between forward passes runs once per N tokens; each token is still "
                         "streamed as its step ends, and a run ends early for a new request (default 1)")
+    p.add_argument(F["scheduling_policy"], choices=contract.SCHEDULING_POLICIES, default="fcfs",
+                   help="which request runs first: fcfs, by arrival (default); priority, by each request's "
+                        "priority (GenerateRequest.priority, lower first), then arrival: waiting requests are "
+                        "admitted and preempted ones resumed in that order, and the lowest-priority running "
+                        "request is preempted when blocks run out (vLLM's policy)")
     p.add_argument("--max-model-len", type=int,
                    help="longest prompt plus generation (default: the model's context, at most 8192)")
     p.add_argument("--max-waiting", type=int, default=1024,
@@ -110,7 +115,7 @@ def options_from_args(args):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout,
         spin_us=args.spin_us, enforce_eager=args.enforce_eager, page_lock_experts=args.page_lock_experts,
-        num_scheduler_steps=args.num_scheduler_steps)
+        num_scheduler_steps=args.num_scheduler_steps, scheduling_policy=args.scheduling_policy)
 
 
 def run_serve(args) -> int:

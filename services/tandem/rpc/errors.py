@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from tandem.engine.llm_engine import QueueFull
+from tandem.engine.scheduler import QueueFull
 from tandem.engine.sampling_params import DuplicateRequest, InvalidRequest
 from tandem.experts.base import ExpertsUnavailable
 

@@ -109,6 +109,10 @@ def response_from_output(out: RequestOutput) -> inference_pb2.GenerateResponse:
     response.prompt_logprobs.extend(map(_logprobs_to_proto, (out.prompt_logprobs or [None])[1:]))
     if out.finished:
         response.finish_reason = out.finish_reason or ""
+        if isinstance(out.stop_reason, str):
+            response.stop_str = out.stop_reason
+        elif out.stop_reason is not None:
+            response.stop_token_id = out.stop_reason
         response.usage.prompt_tokens = out.num_prompt_tokens
         response.usage.completion_tokens = out.num_output_tokens
         response.usage.cached_tokens = out.num_cached_tokens
@@ -144,7 +148,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             prompt = prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling)
             request_id = request.request_id or uuid.uuid4().hex
-            queue = await loop.submit(request_id, prompt, params)
+            queue = await loop.submit(request_id, prompt, params, request.priority)
         except asyncio.CancelledError:  # gone before it was admitted (deadline, disconnect)
             self.metrics.record_outcome("cancelled")
             raise

@@ -60,6 +60,7 @@ ENGINE_ONLY_FLAGS = {
     "max_waiting": "--max-waiting", "expert_timeout_s": "--expert-timeout", "enforce_eager": "--enforce-eager",
     "num_scheduler_steps": contract.SERVE_FLAGS["num_scheduler_steps"],
     "kv_cache_dtype": contract.SERVE_FLAGS["kv_cache_dtype"],
+    "scheduling_policy": contract.SERVE_FLAGS["scheduling_policy"],
 }
 
 
@@ -97,6 +98,7 @@ class ServeOptions:
     enforce_eager: bool = False  # CUDA: no decode graphs
     page_lock_experts: bool = True  # CUDA: the experts' host memory page-locked for prefill copies
     num_scheduler_steps: int = 1  # decode tokens per engine step while only decodes run
+    scheduling_policy: str = "fcfs"  # or "priority": GenerateRequest.priority orders the queues
 
     def __post_init__(self):
         if self.role not in contract.ROLES:
@@ -131,6 +133,9 @@ class ServeOptions:
         if self.kv_cache_dtype not in contract.KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(contract.KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in contract.SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(contract.SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.num_device_blocks is not None and self.num_device_blocks < 1:
             raise ValueError(f"--num-device-blocks must be at least 1, got {self.num_device_blocks}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
