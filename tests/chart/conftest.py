@@ -101,6 +101,9 @@ NON_DEFAULT_VALUES: dict[str, dict[str, Any]] = {
                 ]}]}}},
             "priorityClassName": "system-cluster-critical",
             "logLevel": "quiet",
+            "replicas": 3,
+            "leaderElection": {"enabled": True, "leaseDurationSeconds": 30, "renewDeadlineSeconds": 20,
+                               "retryPeriodSeconds": 4},
         },
         "serviceAccount": {"create": True, "name": "tandem-sa",
                            "annotations": {"iam.example.com/role": "tandem"}},
@@ -108,6 +111,9 @@ NON_DEFAULT_VALUES: dict[str, dict[str, Any]] = {
                            "namespaces": ["models"]},
         "hybridModel": {"enabled": True, "name": "mixtral",
                         "spec": load_example("mixtral-8x7b.yaml")["spec"]},
+    },
+    "no-leader-election": {
+        "operator": {"leaderElection": {"enabled": False}},
     },
     "bring-your-own": {
         "crds": {"enabled": False},

@@ -30,6 +30,9 @@ CHILDREN = {"deployments", "services", "poddisruptionbudgets"}
 # kopf watches CRDs to notice resources appearing; named namespaces are watched too.
 KOPF_CLUSTER_NEEDS = {("apiextensions.k8s.io", "customresourcedefinitions", verb) for verb in ("list", "watch")}
 KOPF_NAMESPACE_OBSERVER = {("", "namespaces", verb) for verb in ("list", "watch")}
+# Leader election (tandem_operator.leader_election), in the release namespace only: read and renew
+# (a merge patch carrying the resourceVersion) the one Lease, and create it the first time.
+LEADER_ELECTION_NEEDS = {("coordination.k8s.io", "leases", verb) for verb in ("get", "patch", "create")}
 
 
 AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
@@ -58,6 +61,10 @@ def operator_roles(objects: list[dict]) -> list[dict]:
             if (role["kind"], role["metadata"]["name"], role["metadata"].get("namespace")) in bound]
 
 
+def is_leader_election(role: dict) -> bool:
+    return all(rule["resources"] == ["leases"] for rule in role["rules"])
+
+
 def operator_cluster_role(objects: list[dict]) -> dict:
     (role,) = [role for role in operator_roles(objects) if role["kind"] == "ClusterRole"]
     return role
@@ -70,7 +77,9 @@ def test_no_wildcards_and_no_write_beyond_children(chart, values):
     assert not [role for role in roles if aggregated(role)]
     for role in roles:
         for rule in role["rules"]:
-            assert set(rule) == {"apiGroups", "resources", "verbs"}, "no resourceNames/nonResourceURLs"
+            # No nonResourceURLs; resourceNames only to narrow the Lease rules (see below).
+            named = {"resourceNames"} if rule["resources"] == ["leases"] else set()
+            assert {"apiGroups", "resources", "verbs"} <= set(rule) <= {"apiGroups", "resources", "verbs"} | named
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field] and all("*" not in item for item in rule[field])
         for group, resource, verb in grants(role):
@@ -94,13 +103,16 @@ def test_clusterwide_role_grants_exactly_what_is_needed(chart):
     account = one(objects, "ServiceAccount")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
                                     "namespace": account["metadata"]["namespace"]}]
-    assert not by_kind(objects, "Role") and not by_kind(objects, "RoleBinding")
+    # The only Role is leader election's, in the release namespace.
+    assert [role["metadata"]["namespace"] for role in by_kind(objects, "Role") if is_leader_election(role)] == [
+        "tandem-system"]
+    assert len(by_kind(objects, "Role")) == len(by_kind(objects, "RoleBinding")) == 1
 
 
 def test_namespaced_mode_grants_children_only_in_watched_namespaces(chart):
     objects = render_objects(chart, NON_DEFAULT_VALUES["namespaced"])
     assert grants(operator_cluster_role(objects)) == KOPF_CLUSTER_NEEDS | KOPF_NAMESPACE_OBSERVER
-    roles = {role["metadata"]["namespace"]: role for role in by_kind(objects, "Role")}
+    roles = {role["metadata"]["namespace"]: role for role in by_kind(objects, "Role") if not is_leader_election(role)}
     assert set(roles) == {"models", "research"}
     for namespace, role in roles.items():
         assert grants(role) == OPERATOR_NEEDS
@@ -160,3 +172,33 @@ def test_namespace_users_get_hybridmodels_through_the_builtin_roles(chart, value
 def test_aggregation_can_be_left_out(chart):
     for values in ({"rbac": {"aggregateClusterRoles": False}}, {"rbac": {"create": False}}):
         assert not [role for role in by_kind(render_objects(chart, values), "ClusterRole") if aggregated(role)]
+
+
+@pytest.mark.parametrize("values", [{}, NON_DEFAULT_VALUES["namespaced"]], ids=["clusterwide", "namespaced"])
+def test_leader_election_reaches_only_its_lease_in_the_release_namespace(chart, values):
+    objects = render_objects(chart, values)
+    (role,) = [role for role in operator_roles(objects) if is_leader_election(role)]
+    assert role["kind"] == "Role" and role["metadata"]["namespace"] == "tandem-system"
+    assert grants(role) == LEADER_ELECTION_NEEDS
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    (lease,) = [arg.split("=", 1)[1] for arg in args if arg.startswith("--leader-election-id=")]
+    # Reading and renewing name the Lease; `create` cannot be narrowed by name.
+    by_verbs = {tuple(rule["verbs"]): rule.get("resourceNames") for rule in role["rules"]}
+    assert by_verbs == {("get", "patch"): [lease], ("create",): None}
+    (binding,) = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]]
+    assert binding["metadata"]["namespace"] == "tandem-system"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "namespace": "tandem-system",
+                                    "name": one(objects, "ServiceAccount")["metadata"]["name"]}]
+    # No other role grants Leases.
+    assert not [r for r in operator_roles(objects) if r is not role and any(
+        resource == "leases" for _, resource, _ in grants(r))]
+
+
+def test_leader_election_rules_cover_the_operators_lease_calls():
+    election = pytest.importorskip("tandem_operator.leader_election")
+    assert {(election.LEASES.group, election.LEASES.plural)} == {(g, r) for g, r, _ in LEADER_ELECTION_NEEDS}
+
+
+def test_no_lease_access_without_leader_election(chart):
+    objects = render_objects(chart, {"operator": {"leaderElection": {"enabled": False}}})
+    assert not by_kind(objects, "Role") and not by_kind(objects, "RoleBinding")

@@ -16,9 +16,10 @@ ERROR = 3  # helm lint severity
 def test_default_render_has_the_operator_and_nothing_optional(chart):
     objects = render_objects(chart)
     kinds = sorted(obj["kind"] for obj in objects)
-    # The operator's ClusterRole and the two that extend the built-in view and edit roles.
+    # The operator's ClusterRole and the two that extend the built-in view and edit roles; the
+    # Role and RoleBinding of leader election's Lease.
     assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
-                     "CustomResourceDefinition", "Deployment", "ServiceAccount"]
+                     "CustomResourceDefinition", "Deployment", "Role", "RoleBinding", "ServiceAccount"]
     for obj in objects:
         labels = obj["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == RELEASE
@@ -30,8 +31,9 @@ def test_operator_deployment_runs_kopf_standalone_clusterwide(chart):
     deployment = one(render_objects(chart), "Deployment")
     assert deployment["metadata"]["namespace"] == NAMESPACE
     assert deployment["spec"]["replicas"] == 1
-    # Two standalone kopf processes would both handle every HybridModel.
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Two standalone kopf processes would both handle every HybridModel: only the leader runs kopf,
+    # and a new pod waits for the Lease (see test_leader_election.py).
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == f"ghcr.io/tandem-llm/tandem-operator:{chart.metadata['appVersion']}"
@@ -54,12 +56,15 @@ def test_operator_deployment_runs_kopf_standalone_clusterwide(chart):
 @pytest.mark.parametrize("values", [{}, *NON_DEFAULT_VALUES.values()],
                          ids=["default", *NON_DEFAULT_VALUES])
 def test_operator_arguments_parse_as_tandem_operator_options(chart, values):
-    # tandem-operator is `kopf run --module=tandem_operator ARGS`: parse ARGS with kopf's own
-    # command-line parser, without running it.
+    # tandem-operator is its own flags plus `kopf run --module=tandem_operator ARGS`: split them with
+    # its parser and parse ARGS with kopf's own command-line parser, without running either.
     kopf_cli = pytest.importorskip("kopf.cli")
+    leadership = pytest.importorskip("tandem_operator.leadership")
     container = one(render_objects(chart, values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["tandem-operator"]
-    context = kopf_cli.run.make_context("run", ["--module=tandem_operator", *container["args"]])
+    election, kopf_args = leadership.parse_args(container["args"])
+    assert election.enabled == values.get("operator", {}).get("leaderElection", {}).get("enabled", True)
+    context = kopf_cli.run.make_context("run", ["--module=tandem_operator", *kopf_args])
     assert context.params["standalone"] is True
     assert context.params["liveness_endpoint"].endswith(":8080/healthz")
     assert context.params["clusterwide"] == (not values.get("operator", {}).get("watchNamespaces"))
@@ -142,7 +147,7 @@ def test_helm_lint_strict_has_no_errors(values, kube_version):
 
 
 def test_helm_lint_reports_bad_values():
-    report = helm_python.lint(CHART_DIR, {"operator": {"replicas": 2}}, strict=True)
+    report = helm_python.lint(CHART_DIR, {"operator": {"replicas": 0}}, strict=True)
     assert any(msg["severity"] == ERROR and "replicas" in msg["error"] for msg in report["messages"])
 
 
@@ -204,9 +209,11 @@ def test_health_endpoint_can_listen_on_ipv6(chart, address, host):
     # kopf binds exactly the --liveness host (asyncio makes "::" IPv6-only), and the kubelet
     # probes the pod's first IP: an IPv6 cluster needs "::", written as a URL wants it, "[::]".
     kopf_cli = pytest.importorskip("kopf.cli")
+    leadership = pytest.importorskip("tandem_operator.leadership")
     values = {"operator": {"healthBindAddress": address, "healthPort": 9090}}
     container = one(render_objects(chart, values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    context = kopf_cli.run.make_context("run", ["--module=tandem_operator", *container["args"]])
+    _, kopf_args = leadership.parse_args(container["args"])
+    context = kopf_cli.run.make_context("run", ["--module=tandem_operator", *kopf_args])
     url = urllib.parse.urlsplit(context.params["liveness_endpoint"])
     assert (url.hostname, url.port, url.path) == (host, 9090, "/healthz")
     assert {"name": "health", "containerPort": 9090, "protocol": "TCP"} in container["ports"]

@@ -75,6 +75,22 @@ What the operator does to HybridModels and their children, in the namespaces it 
 {{- end }}
 
 {{/*
+Leader election, in the release namespace only: the Lease is read, created once, and renewed by
+merge patches that carry its resourceVersion (an update's optimistic concurrency; the operator
+never uses `update`). `create` cannot be limited to a name: a create request names no object for
+resourceNames to match.
+*/}}
+{{- define "tandem.rbac.leaderElectionRules" -}}
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "tandem.leaseName" . | quote }}]
+  verbs: ["get", "patch"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+{{- end }}
+
+{{/*
 For people, not the operator: what Kubernetes' built-in view and edit/admin roles gain through
 aggregation, so that whoever may edit Deployments in a namespace may also run HybridModels there.
 */}}
