@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="completions to generate, each sampled on its own (completion i with seed + i), printed "
                           "one by one labelled by index; with --json, one object a line (default 1)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--truncate-prompt-tokens", type=int, metavar="K",
+                     help="keep only the prompt's last K tokens; -1: as many as fit the context")
     gen.add_argument("--include-stop-str-in-output", action="store_true",
                      help="end the text with the stop string that ended it, not before it")
     gen.add_argument("--min-tokens", type=int, default=0,
@@ -256,7 +258,7 @@ def sampling_from_args(args):
                               top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, seed=args.seed,
-                              stop=tuple(args.stop), n=args.n,
+                              stop=tuple(args.stop), n=args.n, truncate_prompt_tokens=args.truncate_prompt_tokens,
                               structured_outputs=StructuredOutputs(**structured) if structured else None,
                               **processors_from_args(args))
     except InvalidRequest as e:

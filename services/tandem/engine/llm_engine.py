@@ -174,6 +174,7 @@ class LLMEngine:
         (compile_constraint), completion 0's matcher, the others' a copy each; None: compiled here.
         `priority`: lower first, under the priority scheduling policy (EngineConfig.scheduling_policy).
         Raises InvalidRequest for bad input, QueueFull when the waiting queue is full."""
+        prompt_token_ids = self._truncated(prompt_token_ids, params.truncate_prompt_tokens)
         self._validate(request_id, prompt_token_ids, params)
         if constraint is None:
             constraint = self.compile_constraint(params)
@@ -183,6 +184,17 @@ class LLMEngine:
         first, *others = request.seqs
         self.scheduler.add(first, others)  # whatever raises before it leaves nothing queued
         self.requests.add(request)
+
+    def _truncated(self, prompt: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens); -1: the most that
+        leave room for one output token."""
+        if keep is None:
+            return prompt
+        room = self.max_model_len - 1
+        if keep > room:  # vLLM refuses it too: it could not keep what it says
+            raise InvalidRequest("truncate_prompt_tokens", f"{keep} leaves no room to generate within the context "
+                                                           f"length {self.max_model_len}; at most {room}, or -1")
+        return list(prompt[-(room if keep == -1 else keep):])
 
     def _validate(self, request_id, prompt, params: SamplingParams) -> None:
         if not request_id:

@@ -134,6 +134,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it
     skip_special_tokens: bool = True  # leave special tokens (e.g. </s>) out of the text
+    # Keep only the prompt's last k tokens (vLLM's left truncation); -1: as many as leave room for one
+    # output token in the context; None: the whole prompt (too long a one is refused).
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         self._check_kinds()
@@ -173,6 +176,10 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise InvalidRequest("structured_outputs", f"must be StructuredOutputs, got "
                                  f"{type(self.structured_outputs).__name__}")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens) or not (
+                self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
+            raise InvalidRequest("truncate_prompt_tokens", f"must be an integer >= 1, or -1 (as many as fit), "
+                                 f"got {self.truncate_prompt_tokens!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(1 << 63) <= self.seed < 1 << 64):
             raise InvalidRequest("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")

@@ -20,6 +20,8 @@ def build_request(args) -> inference_pb2.GenerateRequest:
         frequency_penalty=args.frequency_penalty, stop=list(args.stop), n=args.n, **processors_from_args(args))
     if args.seed is not None:
         sampling.seed = args.seed
+    if args.truncate_prompt_tokens is not None:
+        sampling.truncate_prompt_tokens = args.truncate_prompt_tokens
     if args.logprobs is not None:
         sampling.logprobs = args.logprobs
     if args.prompt_logprobs is not None:

@@ -25,7 +25,8 @@ def sampling_params_from_proto(msg: inference_pb2.SamplingParams) -> SamplingPar
     """Unset fields keep SamplingParams' defaults; bad values raise InvalidRequest naming the field."""
     kwargs = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "n", "min_tokens", "skip_special_tokens"):
+                 "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "n", "min_tokens", "skip_special_tokens",
+                 "truncate_prompt_tokens"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     if msg.HasField("structured_outputs"):

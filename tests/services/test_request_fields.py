@@ -1,6 +1,7 @@
 """GenerateResponse's stop_reason (vLLM's: the stop token id or stop string that ended a completion,
-neither for an end-of-sequence token or max_tokens) and GenerateRequest.priority under
-`--scheduling-policy priority`, over a real gRPC server and `tandem generate`."""
+neither for an end-of-sequence token or max_tokens), GenerateRequest.priority under
+`--scheduling-policy priority`, and SamplingParams.truncate_prompt_tokens, over a real gRPC server
+and `tandem generate`."""
 
 from __future__ import annotations
 
@@ -114,3 +115,30 @@ async def test_waiting_requests_run_by_priority(start_server, model_dir):
         await asyncio.gather(*queued)
     assert rest[-1].finish_reason == "length" and len(first.token_ids) + len(token_ids(rest)) == 200
     assert finished == ["urgent", "normal", "batch"]
+
+
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(start_server, model_dir, capsys):
+    from tandem.cli import main
+
+    model = model_dir("mixtral")
+    server = await start_server(model=str(model))  # max_model_len 256
+    long_prompt = [(7 * i) % 300 + 3 for i in range(400)]  # longer than the context
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(server.address, request(long_prompt, max_tokens=4))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("prompt:")
+    kept = await generate(server.address, request(long_prompt, max_tokens=4, truncate_prompt_tokens=5,
+                                                  ignore_eos=True))
+    tail = await generate(server.address, request(long_prompt[-5:], max_tokens=4, ignore_eos=True))
+    assert token_ids(kept) == token_ids(tail) and kept[-1].usage.prompt_tokens == 5
+    fitted = await generate(server.address, request(long_prompt, max_tokens=1, truncate_prompt_tokens=-1))
+    assert fitted[-1].usage.prompt_tokens == 255 and len(token_ids(fitted)) == 1
+    for bad, message in ((0, "truncate_prompt_tokens: must be an integer >= 1, or -1"),
+                         (256, "truncate_prompt_tokens: 256 leaves no room to generate")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(server.address, request(long_prompt, truncate_prompt_tokens=bad))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(message), err.value.details()
+    for where in (["--model", str(model), "--device", "cpu"], ["--server", server.address]):
+        assert await asyncio.to_thread(main, ["generate", *where, "--prompt", TEXT * 20, "--max-tokens", "2",
+                                              "--json", "--truncate-prompt-tokens", "3"]) == 0
+        assert json.loads(capsys.readouterr().out)["usage"]["prompt_tokens"] == 3, where
