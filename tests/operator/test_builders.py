@@ -278,43 +278,29 @@ def test_gguf_command_line_is_what_tandem_serve_accepts():
         options_from_args(args)
 
 
-@pytest.mark.parametrize("steps", [1, 8])
-def test_scheduler_steps_reach_the_attention_container_only_when_not_1(steps):
+# Settings of the attention process alone (the experts process runs no scheduler, and reads the
+# CPU tier's dtype from the layout the attention process publishes): (spec section, field, the
+# serve flag's key, default, another value).
+ATTENTION_ONLY = [
+    ("attention", "numSchedulerSteps", "num_scheduler_steps", 1, 8),
+    ("kvCache", "dtype", "kv_cache_dtype", "auto", "fp8"),
+    ("attention", "schedulingPolicy", "scheduling_policy", "fcfs", "priority"),
+]
+
+
+@pytest.mark.parametrize("section, name, key, default, other", ATTENTION_ONLY, ids=[a[1] for a in ATTENTION_ONLY])
+@pytest.mark.parametrize("set_default", [True, False], ids=["default", "set"])
+def test_attention_settings_reach_the_attention_container_only_when_not_default(section, name, key, default,
+                                                                                 other, set_default):
     raw = copy.deepcopy(BASE)
-    raw["attention"] = {"numSchedulerSteps": steps}
+    raw[section] = {name: default if set_default else other}
     attention, experts = containers(raw)["attention"], containers(raw)["experts"]
-    flag = contract.SERVE_FLAGS["num_scheduler_steps"]
-    assert flag not in experts["args"]  # the experts run no scheduler
-    if steps == 1:  # the default renders nothing, so an operator upgrade leaves existing pods as they are
+    flag = contract.SERVE_FLAGS[key]
+    assert flag not in experts["args"]
+    if set_default:  # the default renders nothing, so an operator upgrade leaves existing pods as they are
         assert flag not in attention["args"] and attention["args"] == containers(BASE)["attention"]["args"]
     else:
-        assert attention["args"][attention["args"].index(flag) + 1] == str(steps)
-
-
-@pytest.mark.parametrize("dtype", ["auto", "fp8"])
-def test_the_kv_cache_dtype_reaches_the_attention_container_only_when_not_auto(dtype):
-    raw = copy.deepcopy(BASE)
-    raw["kvCache"] = {"dtype": dtype}
-    attention, experts = containers(raw)["attention"], containers(raw)["experts"]
-    flag = contract.SERVE_FLAGS["kv_cache_dtype"]
-    assert flag not in experts["args"]  # the experts process reads the CPU tier's dtype from its published layout
-    if dtype == "auto":  # the default renders nothing, so an operator upgrade leaves existing pods as they are
-        assert flag not in attention["args"] and attention["args"] == containers(BASE)["attention"]["args"]
-    else:
-        assert attention["args"][attention["args"].index(flag) + 1] == dtype
-
-
-@pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_the_scheduling_policy_reaches_the_attention_container_only_when_not_fcfs(policy):
-    raw = copy.deepcopy(BASE)
-    raw["attention"] = {"schedulingPolicy": policy}
-    attention, experts = containers(raw)["attention"], containers(raw)["experts"]
-    flag = contract.SERVE_FLAGS["scheduling_policy"]
-    assert flag not in experts["args"]  # the experts run no scheduler
-    if policy == "fcfs":  # the default renders nothing, so an operator upgrade leaves existing pods as they are
-        assert flag not in attention["args"] and attention["args"] == containers(BASE)["attention"]["args"]
-    else:
-        assert attention["args"][attention["args"].index(flag) + 1] == policy
+        assert attention["args"][attention["args"].index(flag) + 1] == str(other)
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_by_name():
