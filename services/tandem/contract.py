@@ -21,6 +21,9 @@ EXPERTS_SERVICE = "tandem.v1.Experts"
 
 # Prometheus metric names (prometheus_client appends _bucket/_sum/_count, _total).
 TIME_TO_FIRST_TOKEN = "tandem_time_to_first_token_seconds"
+# from receiving a request to its first scheduling (its prefill's start): the wait for a seat and blocks
+REQUEST_QUEUE_TIME = "tandem_request_queue_time_seconds"
+E2E_REQUEST_LATENCY = "tandem_e2e_request_latency_seconds"  # from receiving a request to its last token
 INTER_TOKEN_LATENCY = "tandem_inter_token_latency_seconds"
 REQUESTS = "tandem_requests"  # counter, label outcome
 PROMPT_TOKENS = "tandem_prompt_tokens"
@@ -37,6 +40,8 @@ OFFLOADED_REQUESTS = "tandem_offloaded_requests"  # gauge: running requests whos
 # counter: MoE layer calls of prefill chunks whose routed experts ran on the GPU, the weights streamed
 # from host memory (tandem.experts.device_prefill); flat on a GPU node means they run on the CPU
 GPU_PREFILL_EXPERT_CALLS = "tandem_gpu_prefill_expert_calls"
+# counter: running sequences preempted (swapped out or freed to be recomputed) for want of KV blocks
+PREEMPTIONS = "tandem_preemptions"
 # The experts process (--role experts) exports these instead of the series above, so that no
 # series is exported by both processes of a pair: the computing of the calls it answers.
 EXPERTS_FORWARD_LATENCY = "tandem_experts_forward_latency_seconds"
@@ -51,6 +56,8 @@ LATENCY_BUCKETS = (
 )
 # Time to first token includes the prefill, which for a long prompt on CPU cores takes minutes.
 TIME_TO_FIRST_TOKEN_BUCKETS = LATENCY_BUCKETS + (20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+# A whole request: a long generation on CPU cores takes up to hours.
+E2E_REQUEST_BUCKETS = TIME_TO_FIRST_TOKEN_BUCKETS + (1280.0, 2560.0, 5120.0)
 
 # `tandem serve` roles and flags, as the operator renders container commands.
 ROLES = ("all", "attention", "experts")

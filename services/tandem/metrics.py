@@ -103,6 +103,13 @@ class ServingMetrics(_Metrics):
         self.time_to_first_token = Histogram(
             contract.TIME_TO_FIRST_TOKEN, "Seconds from receiving a request to its first token.",
             buckets=contract.TIME_TO_FIRST_TOKEN_BUCKETS, registry=reg)
+        self.request_queue_time = Histogram(
+            contract.REQUEST_QUEUE_TIME, "Seconds from receiving a request to its first scheduling (its prefill's "
+            "start): the wait for a seat in the batch and for KV blocks.",
+            buckets=contract.TIME_TO_FIRST_TOKEN_BUCKETS, registry=reg)
+        self.e2e_request_latency = Histogram(
+            contract.E2E_REQUEST_LATENCY, "Seconds from receiving a request to its last token (all its completions).",
+            buckets=contract.E2E_REQUEST_BUCKETS, registry=reg)
         self.inter_token_latency = Histogram(
             contract.INTER_TOKEN_LATENCY,
             "Seconds between consecutive generated tokens of a request (decode latency), "
@@ -135,6 +142,10 @@ class ServingMetrics(_Metrics):
             "MoE layer calls of prefill chunks whose routed experts ran on the GPU, streamed from host memory.",
             registry=reg)
         self._gpu_prefill_expert_calls = 0  # the engine's count when last recorded
+        self.preemptions = Counter(
+            contract.PREEMPTIONS, "Running sequences preempted for want of KV blocks (swapped out, or freed to be "
+            "recomputed).", registry=reg)
+        self._preemptions = 0
         self.kv_blocks_used = Gauge(
             contract.KV_BLOCKS_USED, "KV cache blocks in use, per tier.", ["tier"], registry=reg)
         self.kv_blocks_capacity = Gauge(
@@ -165,6 +176,10 @@ class ServingMetrics(_Metrics):
         if calls > self._gpu_prefill_expert_calls:
             self.gpu_prefill_expert_calls.inc(calls - self._gpu_prefill_expert_calls)
             self._gpu_prefill_expert_calls = calls
+        preemptions = getattr(stats, "num_preemptions", 0)  # the same
+        if preemptions > self._preemptions:
+            self.preemptions.inc(preemptions - self._preemptions)
+            self._preemptions = preemptions
 
 
 class ExpertsMetrics(_Metrics):

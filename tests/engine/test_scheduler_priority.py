@@ -92,6 +92,7 @@ def test_preemption_under_priorities_keeps_every_token(num_cpu):
     outs = run_all(sched, model)
     victims = {s.request_id for o in outs for s in o.preempted}
     assert victims and "r0" not in victims  # priority 0, first to arrive: never the victim
+    assert sched.num_preemptions == sum(len(o.preempted) for o in outs) == sum(s.num_preemptions for s in seqs)
     expected = reference_outputs({s.request_id: s.prompt_token_ids for s in seqs}, max_tokens=12)
     assert {s.request_id: s.output_token_ids for s in seqs} == expected
     assert_all_free(sched)

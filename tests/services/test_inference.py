@@ -71,6 +71,13 @@ async def test_concurrent_streams_match_the_engine(start_server, model_dir, refe
     assert {r.request_id for r in by_text} == {"mine"}
     metrics = scrape(server.metrics_port)
     assert metrics[(contract.TIME_TO_FIRST_TOKEN + "_count", ())] == 4
+    # Each request's wait for the batch is part of its time to first token, which is part of its whole.
+    assert metrics[(contract.REQUEST_QUEUE_TIME + "_count", ())] == metrics[(contract.E2E_REQUEST_LATENCY + "_count",
+                                                                            ())] == 4
+    queued, first, whole = (metrics[(name + "_sum", ())] for name in (
+        contract.REQUEST_QUEUE_TIME, contract.TIME_TO_FIRST_TOKEN, contract.E2E_REQUEST_LATENCY))
+    assert 0 < queued < first < whole
+    assert metrics[(contract.PREEMPTIONS + "_total", ())] == 0
     assert metrics[(contract.INTER_TOKEN_LATENCY + "_count", ())] == 4 * 7  # every token after the first
     assert metrics[(contract.GENERATED_TOKENS + "_total", ())] == 4 * 8
     assert metrics[(contract.PROMPT_TOKENS + "_total", ())] == sum(map(len, PROMPTS)) + \

@@ -69,15 +69,17 @@ def test_counters_and_gauges_by_label(metrics):
     assert samples[contract.KV_BLOCKS_CAPACITY][(("tier", "cpu"),)] == 32
     # a gauge: no "_total", which Prometheus's conventions (and promtool) keep for counters
     counters = (contract.REQUESTS, contract.PROMPT_TOKENS, contract.GENERATED_TOKENS, contract.PREFIX_CACHED_TOKENS,
-                contract.GPU_PREFILL_EXPERT_CALLS)
+                contract.GPU_PREFILL_EXPERT_CALLS, contract.PREEMPTIONS)
     assert not [name for name in samples if name.endswith("_total") and name.removesuffix("_total") not in counters]
 
-    # the engine counts its GPU prefill calls since it started; the counter follows it
-    counted = contract.GPU_PREFILL_EXPERT_CALLS + "_total"
-    assert scrape(port)[counted][()] == 0
-    for engine_count, exported in ((4, 4), (4, 4), (10, 10)):
-        m.record_engine_stats(SimpleNamespace(**{**vars(stats), "gpu_prefill_expert_calls": engine_count}))
-        assert scrape(port)[counted][()] == exported
+    # the engine counts its GPU prefill calls and its preemptions since it started; the counters follow it
+    for field, name in (("gpu_prefill_expert_calls", contract.GPU_PREFILL_EXPERT_CALLS),
+                        ("num_preemptions", contract.PREEMPTIONS)):
+        counted = name + "_total"
+        assert scrape(port)[counted][()] == 0
+        for engine_count, exported in ((4, 4), (4, 4), (10, 10)):
+            m.record_engine_stats(SimpleNamespace(**{**vars(stats), field: engine_count}))
+            assert scrape(port)[counted][()] == exported
 
 
 def test_unknown_outcome_is_refused():

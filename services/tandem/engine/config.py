@@ -96,3 +96,4 @@ class EngineStats:
     kv_blocks_total: dict[str, int] = field(default_factory=dict)
     prefix_cache_hit_tokens: int = 0
     gpu_prefill_expert_calls: int = 0  # MoE layer calls of prefill chunks computed on the GPU, so far
+    num_preemptions: int = 0  # running sequences preempted for want of blocks, so far

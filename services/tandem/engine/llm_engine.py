@@ -321,6 +321,7 @@ class LLMEngine:
             kv_blocks_total={t: bm.num_total_blocks(t) for t in (DEVICE, CPU)},
             prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens,
             gpu_prefill_expert_calls=sum(w.calls for w in self.gpu_prefill),
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     # convenience

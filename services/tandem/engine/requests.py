@@ -98,7 +98,7 @@ class CompletionState:
             finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens, text=text,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=self.index,
-            stop_reason=seq.stop_reason if finished else None,
+            stop_reason=seq.stop_reason if finished else None, first_scheduled=seq.first_scheduled,
         )
 
 

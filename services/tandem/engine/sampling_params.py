@@ -291,3 +291,5 @@ class RequestOutput:
     # When finished "stop": the stop token id (of stop_token_ids) or stop string that ended it; None
     # for an end-of-sequence token or a complete structured output (as vLLM's CompletionOutput).
     stop_reason: int | str | None = None
+    # time.perf_counter() when the completion's sequence was first scheduled (its prefill's start).
+    first_scheduled: float | None = None

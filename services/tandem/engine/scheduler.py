@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -157,6 +158,7 @@ class Scheduler:
         # prompt is computed: by the first one's id, and each held one's first one's id.
         self._held: dict[str, list[Sequence]] = {}
         self._held_for: dict[str, str] = {}
+        self.num_preemptions = 0  # so far: sequences swapped out or freed to be recomputed
 
     # queue
 
@@ -334,6 +336,7 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
+                seq.first_scheduled = time.perf_counter()
             self._run(seq)
             self._add(step, seq, num_new)
 
@@ -367,6 +370,7 @@ class Scheduler:
         self.running.remove(seq)
         step.drop(seq)
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         step.out.preempted.append(seq)
         # With cpu_decode the CPU tier is where sequences run, not where they wait: one parked there
         # because it could not grow there could need more blocks than the whole device tier has, and

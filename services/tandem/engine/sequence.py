@@ -39,6 +39,7 @@ class Sequence:
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrivals))
     priority: int = 0
+    first_scheduled: float | None = None  # time.perf_counter() when first admitted to the batch
     # With params.logprobs set, the model runner appends each sampled token's (TokenLogprobs) as it is
     # sampled, before the scheduler appends the token: entry i is output token i's. Entries past the
     # output belong to tokens dropped after a stop.

@@ -364,6 +364,7 @@ class EngineLoop:
         if not stream.unfinished:
             self._streams.pop(out.request_id)
             self.metrics.record_outcome(next((o for o in ("error", "length") if o in stream.outcomes), "stop"))
+            self.metrics.e2e_request_latency.observe(time.perf_counter() - stream.arrival)
 
     def _observe_tokens(self, stream: _Stream, out: RequestOutput, now: float) -> None:
         n = len(out.new_token_ids)
@@ -373,6 +374,8 @@ class EngineLoop:
         last = stream.last_token.get(out.index)
         if not stream.last_token:  # the request's first token, whichever completion's
             self.metrics.time_to_first_token.observe(now - stream.arrival)
+            if out.first_scheduled is not None:  # (None only for a sequence the engine never scheduled)
+                self.metrics.request_queue_time.observe(max(0.0, out.first_scheduled - stream.arrival))
         elif last is not None:
             gap = (now - last) / n  # several tokens in one output share the gap
             for _ in range(n):
