@@ -2,7 +2,7 @@
 
     python benchmarks/decode_attention.py [--contexts 64,512,4096] [--heads 32] [--kv-heads 8] [--head-dim 128]
                                           [--value-dim D] [--threads 1,2] [--batch 1] [--cold] [--rounds 7]
-                                          [--kv-dtypes float32,bfloat16,fp8] [--json out.json]
+                                          [--kv-dtypes float32,bfloat16,fp8] [--baseline REV] [--json out.json]
     # DeepSeek-V3's latent cache: 128 absorbed query heads on one 576-wide entry, value its first 512
     python benchmarks/decode_attention.py --heads 128 --kv-heads 1 --head-dim 576 --value-dim 512
 
@@ -21,19 +21,30 @@ kernel (tandem.kv.triton_attention) that CUDA graphs capture, bfloat16 as served
     python benchmarks/decode_attention.py --device cuda --heads 128 --kv-heads 1 --head-dim 576 \
         --value-dim 512 --batch 8 --contexts 512,4096,16384
 
+--baseline REV also times the native kernel as git revision REV has it and as the working tree has
+it, each one's paged_attention.cpp and headers built alone as an op library, so
+both run in one process, alternating with the others: before and after a kernel change, under the
+same load, built alike (with the torch path between them, float32 KV in the whole extension measured
+10-20% slower than the same sources built alone, bfloat16 alike: compare the two built alike).
+
 Each figure is the median over --rounds rounds (torch and native alternate round by round) of
 the mean call in a round. By default the same KV is read every call, so short contexts stay in
-cache; --cold gives every call another sequence's blocks from a pool of at least 512 MB, so the
-KV comes from RAM, as it does in serving, where a step reads every layer's KV once.
+cache (each round starts with an untimed call); --cold gives every call another sequence's blocks
+from a pool of at least 512 MB, so the KV comes from RAM, as it does in serving, where a step
+reads every layer's KV once.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,14 +53,20 @@ from tandem.kv.attention import AttentionMetadata, native_decode_attention, sdpa
 BS = 16
 
 
-def timed(fns: list, reps: int, rounds: int, sync=lambda: None) -> list[float]:
+def timed(fns: list, reps: int, rounds: int, sync=lambda: None, warm: bool = False) -> list[float]:
     """Seconds a call of each fn (fn(i) is call i), the median of `rounds` rounds that alternate the fns;
-    `sync` waits for the device's queued work before the clock is read."""
+    `sync` waits for the device's queued work before the clock is read. The order turns round by round:
+    on the CPU, the kernel timed right after the torch path ran up to 1.3x slower than the one after it,
+    even after an untimed call (2 vCPUs of Zen 1). `warm`: each round of a fn starts with an untimed
+    call, so that one reading the same data every call finds its own in cache, not the last fn's."""
     for fn in fns:
         fn(0)
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, t in zip(fns, times):
+    for r in range(rounds):
+        for j in range(len(fns)):
+            fn, t = fns[(j + r) % len(fns)], times[(j + r) % len(fns)]
+            if warm:
+                fn(0)
             sync()
             start = time.perf_counter()
             for i in range(reps):
@@ -73,6 +90,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--kv-dtypes", help="KV cache dtypes, comma-separated, from float32, bfloat16, fp8 "
                                         "(default: float32 on the CPU, bfloat16 on CUDA)")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also time the CPU kernel of this git revision and of the working tree, built alike")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.device == "cuda":
@@ -81,6 +100,9 @@ def main() -> None:
         kernel = native_decode_attention()
         if kernel is None:
             raise SystemExit("the native kernel is not built (python -m tandem.experts.build)")
+    if args.baseline and args.device != "cpu":
+        raise SystemExit("--baseline times the CPU kernel: leave out --device cuda")
+    revisions = (op_library(args.baseline), op_library(None)) if args.baseline else ()
     names = (args.kv_dtypes or ("bfloat16" if args.device == "cuda" else "float32")).split(",")
     unknown = set(names) - set(KV_DTYPES)
     if unknown:
@@ -90,7 +112,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for ctx in (int(c) for c in args.contexts.split(",")):
             for name in names:
-                rows.append(measure(kernel, ctx, threads, name, args))
+                rows.append(measure(kernel, ctx, threads, name, args, revisions))
     print(f"load average {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
@@ -103,7 +125,36 @@ KV_DTYPES = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloa
 FP8_SCALES = (0.5, 2.0)  # k_scale, v_scale: not 1, so the folded scales cost what they cost
 
 
-def measure(kernel, ctx: int, threads: int, kv_dtype: str, args) -> dict:
+def op_library(rev: str | None):
+    """paged_decode_attention as git revision `rev` (None: the working tree) has it, its attention sources
+    built alone as an op library: two revisions built alike run in one process."""
+    csrc = Path(__file__).parent.parent / "services/tandem/experts/csrc"
+    if rev is None:
+        sources = {path.name: path.read_text() for path in [csrc / "paged_attention.cpp", *sorted(csrc.glob("*.h"))]}
+    else:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], check=True, capture_output=True, text=True, cwd=csrc).stdout
+
+        listed = git("ls-tree", "--name-only", "--full-tree", rev, "services/tandem/experts/csrc/").split()
+        names = ["paged_attention.cpp", *(Path(path).name for path in listed if path.endswith(".h"))]
+        sources = {name: git("show", f"{rev}:services/tandem/experts/csrc/{name}") for name in names}
+    namespace = "tandem_tree" if rev is None else "tandem_baseline"
+    sources["paged_attention.cpp"] = sources["paged_attention.cpp"].replace(
+        "TORCH_LIBRARY_FRAGMENT(tandem, m)", f"TORCH_LIBRARY_FRAGMENT({namespace}, m)")
+    digest = hashlib.sha256("".join(sources.values()).encode()).hexdigest()[:16]
+    build = Path(tempfile.gettempdir()) / f"tandem-attention-{digest}"
+    build.mkdir(exist_ok=True)
+    for name, text in sources.items():
+        (build / name).write_text(text)
+    from torch.utils.cpp_extension import load
+
+    load(name=f"tandem_attention_{digest}", sources=[str(build / "paged_attention.cpp")],
+         extra_include_paths=[str(build)], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
+         extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+    return getattr(torch.ops, namespace).paged_decode_attention
+
+
+def measure(kernel, ctx: int, threads: int, kv_dtype: str, args, revisions: tuple = ()) -> dict:
     per_seq = -(-ctx // BS)
     device = torch.device(args.device)
     dtype, q_dtype = KV_DTYPES[kv_dtype]
@@ -123,20 +174,27 @@ def measure(kernel, ctx: int, threads: int, kv_dtype: str, args) -> dict:
         tables = [perm[(s * args.batch + i) * per_seq:(s * args.batch + i + 1) * per_seq] for i in range(args.batch)]
         metas.append(AttentionMetadata.build([ctx - 1] * args.batch, [1] * args.batch, tables, BS, device))
     reps = max(sets, 5, 20000 // ctx)
-    t_torch, t_native = timed([
-        lambda i: sdpa_paged_attention(q, k, v, metas[i % sets], 0.1, *scales),
-        lambda i: kernel(q, k, v, metas[i % sets].block_tables, metas[i % sets].seq_lens, 0.1, 0,
-                         k_scale=scales[0], v_scale=scales[1]),
-    ], reps, args.rounds, torch.cuda.synchronize if device.type == "cuda" else lambda: None)
+    fns = [lambda i: sdpa_paged_attention(q, k, v, metas[i % sets], 0.1, *scales)]
+    for op in [kernel, *revisions]:
+        fns.append(lambda i, op=op: op(q, k, v, metas[i % sets].block_tables, metas[i % sets].seq_lens, 0.1, 0,
+                                      k_scale=scales[0], v_scale=scales[1]))
+    t_torch, t_native, *t_revisions = timed(fns, reps, args.rounds,
+                                           torch.cuda.synchronize if device.type == "cuda" else lambda: None,
+                                           warm=not args.cold)
     row = {"context": ctx, "threads": threads, "kv_dtype": kv_dtype, "device": args.device, "cold": args.cold,
            "torch_us": t_torch * 1e6,
            "native_us": t_native * 1e6, "speedup": t_torch / t_native, "kv_mb": kv_bytes / 1e6,
            "native_gb_s": kv_bytes / t_native / 1e9,
            "native_ns_per_head_token": t_native * 1e9 / (args.batch * args.heads * ctx)}
+    before = ""
+    if t_revisions:
+        row["baseline_us"], row["tree_us"] = (t * 1e6 for t in t_revisions)
+        before = (f"  baseline {row['baseline_us']:8.1f} us, this tree built alike {row['tree_us']:8.1f} us "
+                  f"({t_revisions[0] / t_revisions[1]:.2f}x)")
     print(f"threads {threads} context {ctx:6d} {kv_dtype:>8}: torch {row['torch_us']:9.0f} us  "
           f"native {row['native_us']:8.1f} us  "
           f"{row['speedup']:.1f}x  ({row['kv_mb']:.1f} MB of KV, {row['native_gb_s']:.1f} GB/s, "
-          f"{row['native_ns_per_head_token']:.2f} ns per head and token)")
+          f"{row['native_ns_per_head_token']:.2f} ns per head and token){before}")
     return row
 
 

@@ -152,7 +152,6 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.T
 
 
 _native_decode = None  # resolved on first use: the op, or False
-MAX_NATIVE_GROUP = 16  # query heads per KV head up to which the native decode kernel is used
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -182,11 +181,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                        v_scale=v_scale)
     quantized = k_cache.dtype == fp8.FP8
     native_dtype = native_any_dtype or q.dtype == torch.float32 or quantized
-    # Many query heads on one KV head (MLA's latent: 128 on 1) make decode a GEMM, which MKL does
-    # better than the kernel's per-head dot products (15.7 against 36.9 ms at 4096 tokens).
-    gemm_shaped = q.shape[1] // k_cache.shape[2] > MAX_NATIVE_GROUP
+    # Any group size: MLA's 128 query heads on one latent too, which the kernel's tiles of a group's
+    # heads do faster than the torch path's batched GEMMs (benchmarks/RESULTS.md round twenty-six).
     same_dtype = k_cache.dtype == v_cache.dtype and (quantized or q.dtype == k_cache.dtype)
-    if decode_only and q.device.type == "cpu" and same_dtype and native_dtype and not gemm_shaped:
+    if decode_only and q.device.type == "cpu" and same_dtype and native_dtype:
         kernel = native_decode_attention()
         if kernel is not None:
             return kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.sliding_window or 0,

@@ -1,7 +1,7 @@
 // The per-block kernels of paged decode attention (paged_attention.cpp): one block's scores
 // q_h . k_t, the softmax numerators of a chunk's scores, and one block's weighted values, for
-// every query head of one sequence. K and V rows are float32 here, read in place from the cache
-// (or from a bf16/fp16 block's conversion buffer).
+// every query head of one sequence. K and V rows are read in place from the cache, float32,
+// bfloat16, float16 or float8 e4m3, and widened to float32 in registers as they are used.
 //
 // Each kernel is built three times and the loader picks one by the CPU (GCC function
 // multiversioning): AVX-512 on GCC vectors of 16 floats, AVX2 + FMA on 8, baseline x86-64 on 4.
@@ -12,136 +12,22 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 
-#include <immintrin.h>
-
-// The helpers below take and return vectors wider than baseline x86-64's registers; they are all
-// inlined into the builds, so no vector crosses a call and GCC's ABI notes do not apply. (Not
-// popped: GCC instantiates the templates at the end of the including file.)
-#pragma GCC diagnostic ignored "-Wpsabi"
+#include "attention_vectors.h"
 
 namespace tandem::attention {
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-
-template <class V>
-constexpr int64_t kLanes = sizeof(V) / sizeof(float);
-
-// Bytes and unsigned 32-bit integers as many as a vector's lanes (fp8 conversion).
-typedef uint8_t v16b __attribute__((vector_size(16)));
-typedef uint8_t v8b __attribute__((vector_size(8)));
-typedef uint8_t v4b __attribute__((vector_size(4)));
-typedef uint32_t v4u __attribute__((vector_size(16)));
-
-#define TANDEM_INLINE __attribute__((always_inline)) inline
-
-template <class V>
-TANDEM_INLINE V load(const float* p) {
-  V x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-template <class V>
-TANDEM_INLINE void store(float* p, V x) {
-  std::memcpy(p, &x, sizeof x);
-}
-// p[0, lanes) where n >= lanes, else p[0, n) and `fill` after.
-template <class V>
-TANDEM_INLINE V load_or(const float* p, int64_t n, float fill) {
-  if (n >= kLanes<V>) return load<V>(p);
-  V x;
-  for (int64_t i = 0; i < kLanes<V>; ++i) x[i] = i < n ? p[i] : fill;
-  return x;
-}
-template <class V>
-TANDEM_INLINE V max(V a, V b) {
-  return a > b ? a : b;
-}
-
-// A vector's halves.
-TANDEM_INLINE v8f lo(v16f x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7); }
-TANDEM_INLINE v8f hi(v16f x) { return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15); }
-TANDEM_INLINE v4f lo(v8f x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3); }
-TANDEM_INLINE v4f hi(v8f x) { return __builtin_shufflevector(x, x, 4, 5, 6, 7); }
-
-// The sum and the max of a vector's lanes, as trees.
-TANDEM_INLINE float hsum(v4f x) { return (x[0] + x[2]) + (x[1] + x[3]); }
-template <class V>
-TANDEM_INLINE float hsum(V x) {
-  return hsum(lo(x) + hi(x));
-}
-TANDEM_INLINE float hmax(v4f x) { return std::max(std::max(x[0], x[1]), std::max(x[2], x[3])); }
-template <class V>
-TANDEM_INLINE float hmax(V x) {
-  return hmax(max(lo(x), hi(x)));
-}
-
-// The lane sums of a, b, c and d, reduced together: each step adds two vectors' halves into one.
-TANDEM_INLINE v4f sum4(v4f a, v4f b, v4f c, v4f d) {
-  const v4f ab = __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
-  const v4f cd = __builtin_shufflevector(c, d, 0, 1, 4, 5) + __builtin_shufflevector(c, d, 2, 3, 6, 7);
-  return __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
-}
-TANDEM_INLINE v4f sum4(v8f a, v8f b, v8f c, v8f d) {
-  const v8f ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
-                 __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
-  const v8f cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
-                 __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
-  const v8f x = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
-                __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
-  return __builtin_shufflevector(x, x, 0, 2, 4, 6) + __builtin_shufflevector(x, x, 1, 3, 5, 7);
-}
-TANDEM_INLINE v4f sum4(v16f a, v16f b, v16f c, v16f d) {
-  const v16f ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                  __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const v16f cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                  __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  return sum4(lo(ab), hi(ab), lo(cd), hi(cd));
-}
-
-// s[t] = q . k_t over D numbers for the 4 rows k_t = k + t * stride: q's vectors loaded once for
-// the four, the four sums reduced together. A head size not a multiple of the lanes ends in scalars.
-template <class V>
-TANDEM_INLINE void dot4(const float* q, const float* k, int64_t stride, int64_t D, float* s) {
-  const int64_t Dvec = D - D % kLanes<V>;
-  V a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  for (int64_t i = 0; i < Dvec; i += kLanes<V>) {
-    const V x = load<V>(q + i);
-    a0 += x * load<V>(k + i);
-    a1 += x * load<V>(k + stride + i);
-    a2 += x * load<V>(k + 2 * stride + i);
-    a3 += x * load<V>(k + 3 * stride + i);
-  }
-  v4f r = sum4(a0, a1, a2, a3);
-  for (int64_t i = Dvec; i < D; ++i)
-    for (int t = 0; t < 4; ++t) r[t] += q[i] * k[t * stride + i];
-  std::memcpy(s, &r, sizeof r);
-}
-
-template <class V>
-TANDEM_INLINE float dot(const float* q, const float* k, int64_t D) {
-  const int64_t Dvec = D - D % kLanes<V>;
-  V acc = {};
-  for (int64_t i = 0; i < Dvec; i += kLanes<V>) acc += load<V>(q + i) * load<V>(k + i);
-  float sum = hsum(acc);
-  for (int64_t i = Dvec; i < D; ++i) sum += q[i] * k[i];
-  return sum;
-}
-
-// Asks for the next block's rows [0, n) (row_bytes of each; none where next is nullptr) while
-// this one is computed, a few cache lines at each of `steps` calls to step(), spread over the
-// block's arithmetic: the pool's blocks sit anywhere, so the hardware prefetchers stop at each
-// block's end. With the KV in RAM, as in serving, this took 5-10% off a call at 8 KV heads of 64
-// (32 KB blocks) and 20-30% at one (4 KB blocks); KV already in cache pays for the instructions.
+// Asks for the next block's rows [0, n) (row_bytes of each, row_stride bytes apart; none where
+// next is nullptr) while this one is computed, a few cache lines at each of `steps` calls to
+// step(), spread over the block's arithmetic: the pool's blocks sit anywhere, so the hardware
+// prefetchers stop at each block's end. With the KV in RAM, as in serving, this took 5-10% off a
+// call at 8 KV heads of 64 (32 KB blocks) and 20-30% at one (4 KB blocks); KV already in cache
+// pays for the instructions.
 class Prefetch {
  public:
   Prefetch(const char* next, int64_t row_stride, int64_t row_bytes, int64_t n, int64_t steps)
-      : at_(next), row_end_(next ? next + row_bytes : next), stride_(row_stride * sizeof(float)), row_bytes_(row_bytes),
+      : at_(next), row_end_(next ? next + row_bytes : next), stride_(row_stride), row_bytes_(row_bytes),
         rows_(next ? n : 0), per_step_((n * ((row_bytes + 63) / 64) + steps - 1) / std::max<int64_t>(steps, 1)) {}
   TANDEM_INLINE void step() {
     for (int64_t left = per_step_; left > 0 && rows_ > 0;) {
@@ -158,22 +44,184 @@ class Prefetch {
   int64_t stride_, row_bytes_, rows_, per_step_;
 };
 
+// Tiles: a kernel's inner loop works on HT query heads of one KV head's group (4 at a time where
+// the group has 4) and TT tokens (scores) or NV vectors of the value (values), so each K or V vector
+// it loads and widens serves HT heads, each query vector TT tokens, and the sums stay in registers:
+// 4 x 2 for AVX2's 16 registers, 4 x 4 for AVX-512's 32; more tokens or vectors where fewer heads
+// share a KV head.
+template <class V, int HT>
+constexpr int kTileTokens = HT < 4 || kLanes<V> == 16 ? 4 : 2;
+template <class V, int HT>
+constexpr int kTileVectors = std::min(8, (kLanes<V> == 16 ? 16 : 8) / HT);
+
+// A group's heads in tiles of 4, then one of 2 and one of 1 as the rest needs: f(HT) for each, h
+// its first head.
+#define TANDEM_HEAD_TILES(h0, g, f)          \
+  {                                          \
+    int64_t h = h0;                          \
+    for (; h + 4 <= (h0) + (g); h += 4) f(4); \
+    if (h + 2 <= (h0) + (g)) {               \
+      f(2);                                  \
+      h += 2;                                \
+    }                                        \
+    if (h < (h0) + (g)) f(1);                \
+  }
+
+// How many tiles cover n tokens (scores: tiles of TT tokens, then single tokens) or the Dv numbers
+// of a value (values: tiles of NV vectors, then single vectors), over a group's head tiles.
+template <class V>
+TANDEM_INLINE int64_t score_tiles(int64_t g, int64_t n) {
+  const auto tiles = [n](int64_t tt) { return n / tt + n % tt; };
+  return g / 4 * tiles(kTileTokens<V, 4>) + g % 4 / 2 * tiles(kTileTokens<V, 2>) + g % 2 * tiles(kTileTokens<V, 1>);
+}
+template <class V>
+TANDEM_INLINE int64_t value_tiles(int64_t g, int64_t Dv) {
+  const int64_t vectors = Dv / kLanes<V>;
+  const auto tiles = [vectors](int64_t nv) { return vectors / nv + vectors % nv; };
+  return g / 4 * tiles(kTileVectors<V, 4>) + g % 4 / 2 * tiles(kTileVectors<V, 2>) + g % 2 * tiles(kTileVectors<V, 1>);
+}
+
+// s[h * s_stride + t] = q_h . k_t over D numbers, for the HT heads q_h = q + h * D and the TT rows
+// k_t = k + t * k_stride. A head size not a multiple of the lanes ends in scalars.
+template <class V, int HT, int TT, class E>
+TANDEM_INLINE void scores_tile(const float* q, int64_t D, const E* k, int64_t k_stride, float* s, int64_t s_stride) {
+  const int64_t Dvec = D - D % kLanes<V>;
+  V a[HT][TT] = {};
+  for (int64_t i = 0; i < Dvec; i += kLanes<V>) {
+    V x[TT];
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) x[t] = load_row(k + t * k_stride + i, As<V>{});
+#pragma GCC unroll 8
+    for (int h = 0; h < HT; ++h) {
+      V qh = load<V>(q + h * D + i);
+      if constexpr (TT > 1) asm("" : "+v"(qh));  // one load for the TT products: GCC would fold it into each
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; ++t) a[h][t] += qh * x[t];
+    }
+  }
+  float r[HT][TT];  // the sums, reduced four at a time where a tile has four heads or four tokens
+  if constexpr (HT == 4) {
+    for (int t = 0; t < TT; ++t) {
+      const v4f sums = sum4(a[0][t], a[1][t], a[2][t], a[3][t]);
+      for (int h = 0; h < 4; ++h) r[h][t] = sums[h];
+    }
+  } else if constexpr (TT == 4) {
+    for (int h = 0; h < HT; ++h) {
+      const v4f sums = sum4(a[h][0], a[h][1], a[h][2], a[h][3]);
+      for (int t = 0; t < 4; ++t) r[h][t] = sums[t];
+    }
+  } else {
+    for (int h = 0; h < HT; ++h)
+      for (int t = 0; t < TT; ++t) r[h][t] = hsum(a[h][t]);
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int64_t i = Dvec; i < D; ++i) {
+      const float x = element(k + t * k_stride + i);
+      for (int h = 0; h < HT; ++h) r[h][t] += q[h * D + i] * x;
+    }
+  for (int h = 0; h < HT; ++h)
+    for (int t = 0; t < TT; ++t) s[h * s_stride + t] = r[h][t];
+}
+
+// The scores of the HT heads from q (q_h = q + h * D, s_h = s + h * s_stride) over the n rows
+// k_t = k + t * k_stride, a tile of tokens at a time; a prefetch step a tile.
+template <class V, int HT, class E>
+TANDEM_INLINE void head_scores(const float* q, int64_t D, const E* k, int64_t k_stride, int64_t n, float* s,
+                               int64_t s_stride, Prefetch& prefetch) {
+  constexpr int TT = kTileTokens<V, HT>;
+  int64_t t = 0;
+  for (; t + TT <= n; t += TT, prefetch.step())
+    scores_tile<V, HT, TT>(q, D, k + t * k_stride, k_stride, s + t, s_stride);
+  for (; t < n; ++t, prefetch.step()) scores_tile<V, HT, 1>(q, D, k + t * k_stride, k_stride, s + t, s_stride);
+}
+
+// The scores of the g query heads of one KV head (q_h = q + h * D, s_h = s + h * s_stride, h < g).
+template <class V, class E>
+TANDEM_INLINE void group_scores(const float* q, int64_t g, int64_t D, const E* k, int64_t k_stride, int64_t n,
+                                float* s, int64_t s_stride, Prefetch& prefetch) {
+#define TANDEM_TILE(HT) head_scores<V, HT>(q + h * D, D, k, k_stride, n, s + h * s_stride, s_stride, prefetch)
+  TANDEM_HEAD_TILES(0, g, TANDEM_TILE)
+#undef TANDEM_TILE
+}
+
+// Whether the n rows of width numbers x + t * stride hold no NaN. Only fp8's are looked at: 3
+// instructions for 32 bytes, which spare the 3 of NaN's check for every 8 numbers as the tiles widen
+// them (without_nan: the same bytes, widened by the loaders without the check); other types keep
+// their NaN through the widening.
+typedef uint8_t v32b __attribute__((vector_size(32)));
+typedef int8_t v32sb __attribute__((vector_size(32)));
+template <class E>
+TANDEM_INLINE bool nan_free(const E*, int64_t, int64_t, int64_t) {
+  return true;
+}
+TANDEM_INLINE bool nan_free(const fp8_e4m3* x, int64_t stride, int64_t n, int64_t width) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(x);
+  const int64_t vec = width - width % 32;
+  v32sb nan = {};
+  for (int64_t t = 0; t < n; ++t, bytes += stride) {
+    for (int64_t i = 0; i < vec; i += 32) {
+      v32b b;
+      std::memcpy(&b, bytes + i, sizeof b);
+      nan |= (b | 0x80) == 0xff;  // 0x7f and 0xff
+    }
+    for (int64_t i = vec; i < width; ++i)
+      if ((bytes[i] | 0x80) == 0xff) return false;
+  }
+  uint64_t words[4];
+  std::memcpy(words, &nan, sizeof words);
+  return (words[0] | words[1] | words[2] | words[3]) == 0;
+}
+template <class E>
+TANDEM_INLINE const E* without_nan(const E* x) {
+  return x;
+}
+TANDEM_INLINE const fp8_e4m3_finite* without_nan(const fp8_e4m3* x) {
+  return reinterpret_cast<const fp8_e4m3_finite*>(x);
+}
+
+// fp8 groups larger than 8 query heads per KV head have a block's rows of each KV head widened to
+// floats in a buffer first (in L1 or L2) rather than in registers once per tile of 4 heads: 4
+// instructions for 8 numbers (7 with NaN's check), paid g / 4 times, cost more than a pass through
+// the buffer beyond 8 heads (Zen 1, one thread, 4,096 tokens, 8 KV heads of 128: 8 query heads
+// each, 4.19 ms in registers against 4.39 through the buffer; 16, 8.13 against 7.70; MLA's 128
+// heads on one 576-wide KV head, 2,048 tokens, 11.9 against 9.6). bfloat16 and float16 widen in
+// one or two instructions: in registers at any group size (MLA in bfloat16: 9.6 ms in registers
+// against 11.1 through the buffer).
+template <class E>
+constexpr int64_t kWidenedGroup = INT64_MAX;
+template <>
+constexpr int64_t kWidenedGroup<fp8_e4m3> = 8;
+
+// out[t * width + i] = row t of x (x + t * stride) as floats, t < n, i < width.
+template <class V, class E>
+TANDEM_INLINE void widen_rows(const E* x, int64_t stride, int64_t n, int64_t width, float* out) {
+  const int64_t vec = width - width % kLanes<V>;
+  for (int64_t t = 0; t < n; ++t, x += stride, out += width) {
+    for (int64_t i = 0; i < vec; i += kLanes<V>) store(out + i, load_row(x + i, As<V>{}));
+    for (int64_t i = vec; i < width; ++i) out[i] = element(x + i);
+  }
+}
+
 // One block's scores: s[h * s_stride + t] = q_h . k_(t, h / g) for every query head h < Hkv * g
 // and the block's t < n tokens (row t of KV head kvh at k + t * k_stride + kvh * kv_stride). KV
-// head by KV head, so its rows stay in L1 while its g query heads pass over them, four tokens at
-// a time.
-template <class V>
-TANDEM_INLINE void block_scores_v(const float* q, int64_t Hkv, int64_t g, int64_t D, const float* k,
-                                  int64_t k_stride, int64_t kv_stride, int64_t n, const char* next, int64_t row_bytes,
-                                  float* s, int64_t s_stride) {
-  Prefetch prefetch(next, k_stride, row_bytes, n, Hkv * g * (n / 4 + n % 4));
+// head by KV head, so its rows stay in L1 while its g query heads pass over them, a tile at a time.
+// buf: n * D floats, for groups larger than kWidenedGroup.
+template <class V, class E>
+TANDEM_INLINE void block_scores_v(const float* q, int64_t Hkv, int64_t g, int64_t D, const E* k, int64_t k_stride,
+                                  int64_t kv_stride, int64_t n, const char* next, float* buf, float* s,
+                                  int64_t s_stride) {
+  Prefetch prefetch(next, k_stride * sizeof(E), Hkv * D * sizeof(E), n, Hkv * score_tiles<V>(g, n));
   for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-    const float* kh = k + kvh * kv_stride;
-    for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h) {
-      float* sh = s + h * s_stride;
-      int64_t t = 0;
-      for (; t + 4 <= n; t += 4, prefetch.step()) dot4<V>(q + h * D, kh + t * k_stride, k_stride, D, sh + t);
-      for (; t < n; ++t, prefetch.step()) sh[t] = dot<V>(q + h * D, kh + t * k_stride, D);
+    const float* qg = q + kvh * g * D;
+    float* sg = s + kvh * g * s_stride;
+    const E* kh = k + kvh * kv_stride;
+    if (g > kWidenedGroup<E>) {
+      widen_rows<V>(kh, k_stride, n, D, buf);
+      group_scores<V>(qg, g, D, static_cast<const float*>(buf), D, n, sg, s_stride, prefetch);
+    } else if (nan_free(kh, k_stride, n, D)) {
+      group_scores<V>(qg, g, D, without_nan(kh), k_stride, n, sg, s_stride, prefetch);
+    } else {
+      group_scores<V>(qg, g, D, kh, k_stride, n, sg, s_stride, prefetch);
     }
   }
 }
@@ -218,145 +266,126 @@ TANDEM_INLINE void softmax_rows_v(float* s, int64_t H, int64_t stride, int64_t n
   }
 }
 
-// acc[0, NV lanes) += sum_t p[t] * v_t[0, NV lanes) over the n rows v_t = v + t * stride, acc
-// held in registers across the rows; a prefetch step a row.
-template <class V, int NV>
-TANDEM_INLINE void axpy_rows(float* acc, const float* p, const float* v, int64_t stride, int64_t n,
-                             Prefetch& prefetch) {
-  V a[NV];
+// acc_h[0, NV lanes) += sum_t p_h[t] * v_t[0, NV lanes) for the HT heads (acc_h = acc + h * Dv,
+// p_h = p + h * p_stride) over the n rows v_t = v + t * stride, the sums held in registers across
+// the rows; a prefetch step every 4 rows (a step a row cost up to 15% with the KV in cache; a step a
+// tile, bursts of 32 lines, 8-10% with 1 query head a KV head and the KV in RAM).
+template <class V, int HT, int NV, class E>
+TANDEM_INLINE void values_tile(float* acc, int64_t Dv, const float* p, int64_t p_stride, const E* v, int64_t stride,
+                               int64_t n, Prefetch& prefetch) {
+  V a[HT][NV];
 #pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) a[i] = load<V>(acc + i * kLanes<V>);
+  for (int h = 0; h < HT; ++h)
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) a[h][i] = load<V>(acc + h * Dv + i * kLanes<V>);
   for (int64_t t = 0; t < n; ++t) {
-    prefetch.step();
-    const float w = p[t];
+    if (t % 4 == 0) prefetch.step();
+    V x[NV];
 #pragma GCC unroll 8
-    for (int i = 0; i < NV; ++i) a[i] += w * load<V>(v + t * stride + i * kLanes<V>);
+    for (int i = 0; i < NV; ++i) x[i] = load_row(v + t * stride + i * kLanes<V>, As<V>{});
+#pragma GCC unroll 8
+    for (int h = 0; h < HT; ++h) {
+      const float w = p[h * p_stride + t];
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; ++i) a[h][i] += w * x[i];
+    }
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) store(acc + i * kLanes<V>, a[i]);
+  for (int h = 0; h < HT; ++h)
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) store(acc + h * Dv + i * kLanes<V>, a[h][i]);
+}
+
+// The values of the HT heads (acc_h = acc + h * Dv, p_h = p + h * p_stride) over the n rows v_t = v +
+// t * v_stride: tiles of NV vectors, then single vectors, then scalars for a value size not a
+// multiple of the lanes.
+template <class V, int HT, class E>
+TANDEM_INLINE void head_values(float* acc, int64_t Dv, const float* p, int64_t p_stride, const E* v, int64_t v_stride,
+                               int64_t n, Prefetch& prefetch) {
+  constexpr int NV = kTileVectors<V, HT>;
+  const int64_t Dvec = Dv - Dv % kLanes<V>;
+  int64_t i = 0;
+  for (; i + NV * kLanes<V> <= Dvec; i += NV * kLanes<V>)
+    values_tile<V, HT, NV>(acc + i, Dv, p, p_stride, v + i, v_stride, n, prefetch);
+  for (; i < Dvec; i += kLanes<V>) values_tile<V, HT, 1>(acc + i, Dv, p, p_stride, v + i, v_stride, n, prefetch);
+  for (int64_t t = 0; t < n; ++t)
+    for (i = Dvec; i < Dv; ++i) {
+      const float x = element(v + t * v_stride + i);
+      for (int h = 0; h < HT; ++h) acc[h * Dv + i] += p[h * p_stride + t] * x;
+    }
+}
+
+// The values of the g query heads of one KV head (acc_h = acc + h * Dv, p_h = p + h * p_stride).
+template <class V, class E>
+TANDEM_INLINE void group_values(float* acc, int64_t g, int64_t Dv, const float* p, int64_t p_stride, const E* v,
+                                int64_t v_stride, int64_t n, Prefetch& prefetch) {
+#define TANDEM_TILE(HT) head_values<V, HT>(acc + h * Dv, Dv, p + h * p_stride, p_stride, v, v_stride, n, prefetch)
+  TANDEM_HEAD_TILES(0, g, TANDEM_TILE)
+#undef TANDEM_TILE
 }
 
 // One block's values: acc_h += sum_t p[h * p_stride + t] * v_(t, h / g) for every query head h
-// (acc_h at acc + h * Dv), KV head by KV head as in block_scores; each head's accumulator stays
-// in registers across the block's tokens, 64 numbers at a time (8 independent sums where the
-// vectors are narrower).
-template <class V>
-TANDEM_INLINE void block_values_v(float* acc, int64_t Hkv, int64_t g, int64_t Dv, const float* v, int64_t v_stride,
-                                  int64_t kv_stride, int64_t n, const char* next, int64_t row_bytes, const float* p,
+// (acc_h at acc + h * Dv), KV head by KV head as in block_scores. buf: n * Dv floats, for groups
+// larger than kWidenedGroup.
+template <class V, class E>
+TANDEM_INLINE void block_values_v(float* acc, int64_t Hkv, int64_t g, int64_t Dv, const E* v, int64_t v_stride,
+                                  int64_t kv_stride, int64_t n, const char* next, float* buf, const float* p,
                                   int64_t p_stride) {
-  constexpr int kTile = std::min<int64_t>(8, 64 / kLanes<V>);  // vectors of one pass
-  constexpr int64_t kTileWidth = kTile * kLanes<V>;
-  const int64_t Dvec = Dv - Dv % kLanes<V>;
-  const int64_t passes = Dvec / kTileWidth + Dvec % kTileWidth / kLanes<V>;
-  Prefetch prefetch(next, v_stride, row_bytes, n, Hkv * g * n * passes);
+  const int64_t steps = Hkv * value_tiles<V>(g, Dv) * ((n + 3) / 4);
+  Prefetch prefetch(next, v_stride * sizeof(E), Hkv * Dv * sizeof(E), n, steps);
   for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-    const float* vh = v + kvh * kv_stride;
-    for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h) {
-      float* a = acc + h * Dv;
-      const float* ph = p + h * p_stride;
-      int64_t i = 0;
-      for (; i + kTileWidth <= Dvec; i += kTileWidth) axpy_rows<V, kTile>(a + i, ph, vh + i, v_stride, n, prefetch);
-      for (; i < Dvec; i += kLanes<V>) axpy_rows<V, 1>(a + i, ph, vh + i, v_stride, n, prefetch);
-      for (int64_t t = 0; t < n; ++t)  // a value size not a multiple of the lanes
-        for (i = Dvec; i < Dv; ++i) a[i] += ph[t] * vh[t * v_stride + i];
+    float* ag = acc + kvh * g * Dv;
+    const float* pg = p + kvh * g * p_stride;
+    const E* vh = v + kvh * kv_stride;
+    if (g > kWidenedGroup<E>) {
+      widen_rows<V>(vh, v_stride, n, Dv, buf);
+      group_values<V>(ag, g, Dv, pg, p_stride, static_cast<const float*>(buf), Dv, n, prefetch);
+    } else if (nan_free(vh, v_stride, n, Dv)) {
+      group_values<V>(ag, g, Dv, pg, p_stride, without_nan(vh), v_stride, n, prefetch);
+    } else {
+      group_values<V>(ag, g, Dv, pg, p_stride, vh, v_stride, n, prefetch);
     }
   }
 }
 
-// e4m3 bytes (float8_e4m3fn: an fp8 KV cache's numbers) as float, exactly as c10 converts them.
-//
-// With F16C (every AVX2 and AVX-512 CPU): the byte's sign, exponent and mantissa moved into a
-// float16's, which then holds the value times 2^-8 (float16's exponent bias is 15, e4m3's 7; e4m3's
-// subnormals land on float16's), widened by vcvtph2ps and multiplied by 2^8; 0x7f NaN. On Zen 1 at
-// AVX2, 0.20 ns a number against 0.49 for a 256-entry table and 0.65 for building the float's bits
-// with integer operations, which the baseline build does: a normal number's exponent rebiased
-// (7 -> 127), a subnormal's mantissa times 2^-9.
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
+// The three builds of each kernel (see the top of this file), `flatten` so that each inlines its own
+// target's loaders.
+#define TANDEM_BUILDS(name, params, args)                                                   \
+  __attribute__((target("avx512f"), flatten)) void name params { name##_v<v16f> args; }      \
+  __attribute__((target("avx2,fma,f16c"), flatten)) void name params { name##_v<v8f> args; } \
+  __attribute__((target("default"), flatten)) void name params { name##_v<v4f> args; }
 
-template <class VH>
-TANDEM_INLINE VH fp8_half_bits(VH x) {
-  const VH mag = x & 0x7f;
-  return mag == 0x7f ? VH{} + 0x7e00 : (mag << 7) | ((x & 0x80) << 8);
-}
+// Overloads by the cache's element type E.
+#define TANDEM_BLOCK_KERNELS(E)                                                                                  \
+  TANDEM_BUILDS(block_scores,                                                                                   \
+                (const float* q, int64_t Hkv, int64_t g, int64_t D, const E* k, int64_t k_stride,              \
+                 int64_t kv_stride, int64_t n, const char* next, float* buf, float* s, int64_t s_stride),      \
+                (q, Hkv, g, D, k, k_stride, kv_stride, n, next, buf, s, s_stride))                              \
+  TANDEM_BUILDS(block_values,                                                                                   \
+                (float* acc, int64_t Hkv, int64_t g, int64_t Dv, const E* v, int64_t v_stride, int64_t kv_stride, \
+                 int64_t n, const char* next, float* buf, const float* p, int64_t p_stride),                    \
+                (acc, Hkv, g, Dv, v, v_stride, kv_stride, n, next, buf, p, p_stride))
+TANDEM_BLOCK_KERNELS(float)
+TANDEM_BLOCK_KERNELS(bf16)
+TANDEM_BLOCK_KERNELS(fp16)
+TANDEM_BLOCK_KERNELS(fp8_e4m3)
+#undef TANDEM_BLOCK_KERNELS
 
-__attribute__((target("avx512f"), always_inline)) inline v16f fp8_vector(const uint8_t* p, v16f) {
-  v16b b;
-  std::memcpy(&b, p, sizeof b);
-  const v16h h = fp8_half_bits(__builtin_convertvector(b, v16h));
-  __m256i hi;
-  std::memcpy(&hi, &h, sizeof hi);
-  const __m512 f = _mm512_cvtph_ps(hi);
-  v16f out;
-  std::memcpy(&out, &f, sizeof out);
-  return out * 256.f;
-}
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline v8f fp8_vector(const uint8_t* p, v8f) {
-  v8b b;
-  std::memcpy(&b, p, sizeof b);
-  const v8h h = fp8_half_bits(__builtin_convertvector(b, v8h));
-  __m128i hi;
-  std::memcpy(&hi, &h, sizeof hi);
-  const __m256 f = _mm256_cvtph_ps(hi);
-  v8f out;
-  std::memcpy(&out, &f, sizeof out);
-  return out * 256.f;
-}
-TANDEM_INLINE v4f fp8_vector(const uint8_t* p, v4f) {
-  v4b b;
-  std::memcpy(&b, p, sizeof b);
-  const v4u x = __builtin_convertvector(b, v4u);
-  const v4u mag = x & 0x7f;
-  const v4u normal = (mag << 20) + (120u << 23);
-  const v4f sub_value = __builtin_convertvector(x & 7, v4f) * (1.f / 512);
-  v4u sub;
-  std::memcpy(&sub, &sub_value, sizeof sub);
-  const v4u bits = (mag == 0x7f ? v4u{} + 0x7fc00000u : (mag >> 3) == 0 ? sub : normal) | ((x & 0x80) << 24);
-  v4f out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
-// The three builds of each kernel (see the top of this file).
-#define TANDEM_BUILDS(name, params, args)                                         \
-  __attribute__((target("avx512f"))) void name params { name##_v<v16f> args; }  \
-  __attribute__((target("avx2,fma,f16c"))) void name params { name##_v<v8f> args; } \
-  __attribute__((target("default"))) void name params { name##_v<v4f> args; }
-
-TANDEM_BUILDS(block_scores,
-              (const float* q, int64_t Hkv, int64_t g, int64_t D, const float* k, int64_t k_stride, int64_t kv_stride,
-               int64_t n, const char* next, int64_t row_bytes, float* s, int64_t s_stride),
-              (q, Hkv, g, D, k, k_stride, kv_stride, n, next, row_bytes, s, s_stride))
 TANDEM_BUILDS(softmax_rows, (float* s, int64_t H, int64_t stride, int64_t n, float* m, float* l),
               (s, H, stride, n, m, l))
-TANDEM_BUILDS(block_values,
-              (float* acc, int64_t Hkv, int64_t g, int64_t Dv, const float* v, int64_t v_stride, int64_t kv_stride,
-               int64_t n, const char* next, int64_t row_bytes, const float* p, int64_t p_stride),
-              (acc, Hkv, g, Dv, v, v_stride, kv_stride, n, next, row_bytes, p, p_stride))
 
-// dst[i] = the float of the e4m3 byte src[i], i < n, a vector at a time. Its builds are written out:
-// each inlines its own target's fp8_vector, which a template compiled for no target could not.
-#define TANDEM_FP8_TO_FLOAT(V)                                           \
-  {                                                                      \
-    constexpr int64_t L = kLanes<V>;                                     \
-    int64_t i = 0;                                                       \
-    for (; i + L <= n; i += L) store(dst + i, fp8_vector(src + i, V{})); \
-    if (i < n) { /* the tail, through one vector */                      \
-      uint8_t tail[L] = {};                                              \
-      std::memcpy(tail, src + i, n - i);                                 \
-      const V x = fp8_vector(tail, V{});                                 \
-      std::memcpy(dst + i, &x, (n - i) * sizeof(float));                 \
-    }                                                                    \
-  }
-__attribute__((target("avx512f"))) void fp8_to_float(const uint8_t* src, int64_t n, float* dst)
-    TANDEM_FP8_TO_FLOAT(v16f)
-__attribute__((target("avx2,fma,f16c"))) void fp8_to_float(const uint8_t* src, int64_t n, float* dst)
-    TANDEM_FP8_TO_FLOAT(v8f)
-__attribute__((target("default"))) void fp8_to_float(const uint8_t* src, int64_t n, float* dst)
-    TANDEM_FP8_TO_FLOAT(v4f)
-#undef TANDEM_FP8_TO_FLOAT
+// dst[i] = the float of the e4m3 byte src[i], i < n: the kernels' own conversion, for their tests.
+template <class V>
+TANDEM_INLINE void fp8_to_float_v(const uint8_t* src, int64_t n, float* dst) {
+  const auto* e = reinterpret_cast<const fp8_e4m3*>(src);
+  int64_t i = 0;
+  for (; i + kLanes<V> <= n; i += kLanes<V>) store(dst + i, load_row(e + i, As<V>{}) * kUnit<fp8_e4m3>);
+  for (; i < n; ++i) dst[i] = element(e + i) * kUnit<fp8_e4m3>;
+}
+TANDEM_BUILDS(fp8_to_float, (const uint8_t* src, int64_t n, float* dst), (src, n, dst))
 
 #undef TANDEM_BUILDS
+#undef TANDEM_HEAD_TILES
 #undef TANDEM_INLINE
 
 }  // namespace tandem::attention

@@ -14,8 +14,8 @@
 // tandem::paged_decode_attention.
 //
 // An fp8 cache (float8 e4m3, tandem.kv.fp8: --kv-cache-dtype fp8) holds K / k_scale and V / v_scale,
-// with a query of any float dtype. Its blocks are converted to float as bf16 ones are, and the scales
-// folded: the query is multiplied by scale * k_scale, the output by v_scale.
+// with a query of any float dtype. Its numbers are widened to float as bf16 ones are, in the kernels'
+// registers, and the scales folded: the query is multiplied by scale * k_scale, the output by v_scale.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,52 +41,34 @@ inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
-// A block's rows [n] of `heads` vectors of `width` (row stride `stride`, head stride
-// `head_stride` elements) as float32: in place for float caches (strides unchanged), else
-// converted into buf [n, heads, width] (bf16/fp16/fp8 caches).
+// A cache's element type as the kernels read it (attention_blocks.h): the same bits.
 template <typename T>
-inline const float* rows_as_float(const T* src, int64_t stride, int64_t head_stride, int64_t n, int64_t heads,
-                                  int64_t width, float* buf, int64_t* out_stride, int64_t* out_head_stride) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < width; ++i)
-        buf[(t * heads + h) * width + i] = to_float(src[t * stride + h * head_stride + i]);
-  *out_stride = heads * width;
-  *out_head_stride = width;
-  return buf;
-}
-// fp8 rows: converted by vectors (fp8_to_float), a whole block at once where its heads are contiguous.
+struct Element {
+  using type = float;
+};
 template <>
-inline const float* rows_as_float<at::Float8_e4m3fn>(const at::Float8_e4m3fn* src, int64_t stride, int64_t head_stride,
-                                                     int64_t n, int64_t heads, int64_t width, float* buf,
-                                                     int64_t* out_stride, int64_t* out_head_stride) {
-  const auto* bytes = reinterpret_cast<const uint8_t*>(src);
-  if (head_stride == width && stride == heads * width) {
-    tandem::attention::fp8_to_float(bytes, n * heads * width, buf);
-  } else {
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        tandem::attention::fp8_to_float(bytes + t * stride + h * head_stride, width, buf + (t * heads + h) * width);
-  }
-  *out_stride = heads * width;
-  *out_head_stride = width;
-  return buf;
-}
+struct Element<at::BFloat16> {
+  using type = tandem::attention::bf16;
+};
 template <>
-inline const float* rows_as_float<float>(const float* src, int64_t stride, int64_t head_stride, int64_t, int64_t,
-                                         int64_t, float*, int64_t* out_stride, int64_t* out_head_stride) {
-  *out_stride = stride;
-  *out_head_stride = head_stride;
-  return src;
+struct Element<at::Half> {
+  using type = tandem::attention::fp16;
+};
+template <>
+struct Element<at::Float8_e4m3fn> {
+  using type = tandem::attention::fp8_e4m3;
+};
+template <typename T>
+const typename Element<T>::type* elements(const T* p) {
+  static_assert(sizeof(T) == sizeof(typename Element<T>::type));
+  return reinterpret_cast<const typename Element<T>::type*>(p);
 }
 
-// Where the next block of the range [pos, hi) starts in a float cache (row `slot` 0), to
-// prefetch while this one is computed; nullptr when there is none or the cache is not float
-// (other blocks go through a conversion buffer).
+// Where the next block of the range [pos, hi) starts (row `slot` 0), to prefetch while this one is
+// computed; nullptr when there is none.
 template <typename T>
 inline const char* next_block(const T* base, int64_t block_stride, const int64_t* table, int64_t pos, int64_t hi,
                               int64_t bs) {
-  if constexpr (!std::is_same_v<T, float>) return nullptr;
   const int64_t next = (pos / bs + 1) * bs;
   if (next >= hi) return nullptr;
   return reinterpret_cast<const char*>(base + table[next / bs] * block_stride);
@@ -130,7 +112,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   const int64_t ts0 = tables.stride(0), os0 = out.stride(0), os1 = out.stride(1);
-  const float fscale = static_cast<float>(scale * k_scale), vscale = static_cast<float>(v_scale);
+  // The kernels load an fp8 cache's numbers in units of 2^-8 (tandem::attention::kUnit): the scales carry it.
+  constexpr float unit = tandem::attention::kUnit<typename Element<T>::type>;
+  const float fscale = static_cast<float>(scale * k_scale) * unit, vscale = static_cast<float>(v_scale) * unit;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Work items are (sequence, chunk of its blocks). A thread scores a chunk block by block for
@@ -151,13 +135,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const Partials part{chunks > 1 ? scratch(0, B * chunks * H * (Dv + 2)) : nullptr, chunks, H, Dv + 2};
 
   at::parallel_for(0, B * chunks, 1, [&](int64_t w0, int64_t w1) {
-    constexpr bool in_place = std::is_same_v<T, float>;  // float blocks are read where they lie
-    const int64_t kbuf_size = in_place ? 0 : bs * Hkv * D, vbuf_size = in_place ? 0 : bs * Hkv * Dv;
-    float* const qf = scratch(1, H * D + H * chunk_tokens + kbuf_size + vbuf_size + H * Dv + 2 * H);
+    const int64_t widened_size = bs * std::max(D, Dv);
+    float* const qf = scratch(1, H * D + H * chunk_tokens + widened_size + H * Dv + 2 * H);
     float* const s = qf + H * D;
-    float* const kbuf = s + H * chunk_tokens;
-    float* const vbuf = kbuf + kbuf_size;
-    float* const acc = vbuf + vbuf_size;
+    float* const widened = s + H * chunk_tokens;  // a block's rows of one KV head as floats (fp8, groups over 8)
+    float* const acc = widened + widened_size;
     float* const m = acc + H * Dv;
     float* const l = m + H;
     for (int64_t w = w0; w < w1; ++w) {
@@ -170,36 +152,28 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         const Q* src = qp + b * qs0 + h * qs1;
         for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(src[i]) * fscale;
       }
-      // f(x, row_stride, head_stride, rows, next, offset) for each block of [lo, hi) of one cache:
-      // its rows as float (x), the next block to prefetch (as many rows as this one has: past a
-      // chunk's end none are needed) and the block's first token's offset from lo.
-      const auto each_block = [&](const T* base, int64_t s0, int64_t s1, int64_t s2, int64_t width, float* buf,
-                                  const auto& f) {
+      // f(x, rows, next, offset) for each block of [lo, hi) of one cache: its first row (x), the
+      // next block to prefetch (as many rows as this one has: past a chunk's end none are needed)
+      // and the block's first token's offset from lo.
+      const auto each_block = [&](const T* base, int64_t s0, int64_t s1, const auto& f) {
         for (int64_t pos = lo; pos < hi;) {
           const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs, rows = std::min(bs - slot, hi - pos);
-          int64_t row_stride, head_stride;
-          const float* x = rows_as_float(base + block * s0 + slot * s1, s1, s2, rows, Hkv, width, buf, &row_stride,
-                                         &head_stride);
-          f(x, row_stride, head_stride, rows, next_block(base, s0, tp + b * ts0, pos, hi, bs), pos - lo);
+          f(elements(base + block * s0 + slot * s1), rows, next_block(base, s0, tp + b * ts0, pos, hi, bs), pos - lo);
           pos += rows;
         }
       };
-      each_block(kp, ks0, ks1, ks2, D, kbuf,  // scores: s[h * chunk_tokens + (token - lo)]
-                 [&](const float* kf, int64_t rs, int64_t hs, int64_t rows, const char* next, int64_t off) {
-                   block_scores(qf, Hkv, group, D, kf, rs, hs, rows, next, Hkv * D * sizeof(float),
-                                s + off, chunk_tokens);
-                 });
+      each_block(kp, ks0, ks1, [&](const auto* kb, int64_t rows, const char* next, int64_t off) {
+        block_scores(qf, Hkv, group, D, kb, ks1, ks2, rows, next, widened, s + off, chunk_tokens);  // s[h, token - lo]
+      });
       if (n > 0) {
         softmax_rows(s, H, chunk_tokens, n, m, l);
       } else {
         std::fill_n(m, H, neg_inf);
         std::fill_n(l, H, 0.f);
       }
-      each_block(vp, vs0, vs1, vs2, Dv, vbuf,
-                 [&](const float* vf, int64_t rs, int64_t hs, int64_t rows, const char* next, int64_t off) {
-                   block_values(acc, Hkv, group, Dv, vf, rs, hs, rows, next, Hkv * Dv * sizeof(float),
-                                s + off, chunk_tokens);
-                 });
+      each_block(vp, vs0, vs1, [&](const auto* vb, int64_t rows, const char* next, int64_t off) {
+        block_values(acc, Hkv, group, Dv, vb, vs1, vs2, rows, next, widened, s + off, chunk_tokens);
+      });
       for (int64_t h = 0; h < H; ++h) {
         if (chunks == 1) {  // the whole sequence: normalise into out
           Q* dst = op + b * os0 + h * os1;
@@ -287,13 +261,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 at::Tensor fp8_e4m3_to_float(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat8_e4m3fn || x.scalar_type() == at::kByte),
               "fp8_e4m3_to_float: a CPU float8_e4m3fn or uint8 tensor");
-  const at::Tensor bytes = x.contiguous().view(at::kFloat8_e4m3fn);
+  const at::Tensor bytes = x.contiguous().view(at::kByte);
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
-  const int64_t n = bytes.numel();
-  int64_t stride, head_stride;
-  const float* values = rows_as_float(bytes.data_ptr<at::Float8_e4m3fn>(), n, n, n ? 1 : 0, 1, n,
-                                      out.data_ptr<float>(), &stride, &head_stride);
-  TORCH_CHECK(values == out.data_ptr<float>());
+  tandem::attention::fp8_to_float(bytes.data_ptr<uint8_t>(), bytes.numel(), out.data_ptr<float>());
   return out;
 }
 
