@@ -300,7 +300,8 @@ std::pair<uint32_t, std::string> recv_response_into(int fd, at::Tensor& out, int
   }
   const uint64_t expected = static_cast<uint64_t>(out.numel()) * out.element_size();
   if (h.bytes != expected)
-    throw BadFrame("response of " + std::to_string(h.bytes) + " bytes, expected " + std::to_string(expected) + " for [" +
+    throw BadFrame("response of " + std::to_string(h.bytes) + " bytes, expected " + std::to_string(expected) +
+                   " for [" +
                    std::to_string(out.size(0)) + ", " + std::to_string(out.size(1)) + "] " +
                    c10::toString(out.scalar_type()));
   read_exact(fd, out.data_ptr(), expected, timeout_ms);
@@ -481,7 +482,8 @@ void bind_data_plane(py::module& m) {
         if (status == kOk) return py::make_tuple(status, out);
         return py::make_tuple(status, py::bytes(message).attr("decode")("utf-8", "replace"));
       },
-      py::arg("fd"), py::arg("dtype_code"), py::arg("tokens"), py::arg("size"), py::arg("spin_us"), py::arg("timeout_ms"));
+      py::arg("fd"), py::arg("dtype_code"), py::arg("tokens"), py::arg("size"), py::arg("spin_us"),
+      py::arg("timeout_ms"));
   py::class_<ExpertServer>(w, "ExpertServer", "the experts end of the data plane for the native executor")
       .def(py::init<int64_t, int64_t>(), py::arg("hidden"), py::arg("max_tokens"))
       .def("add_layer", &ExpertServer::add_layer, py::arg("layer"), py::arg("kind"), py::arg("group"),

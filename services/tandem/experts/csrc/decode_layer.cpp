@@ -217,7 +217,8 @@ int64_t g_profiled_calls = 0;
 // One per call: counts the call when profiling is on, then marks where each phase ends.
 struct PhaseClock {
   bool on = g_profile.load(std::memory_order_relaxed);
-  std::chrono::steady_clock::time_point last = on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+  std::chrono::steady_clock::time_point last =
+      on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
   PhaseClock() {
     if (on) ++g_profiled_calls;
   }
@@ -333,7 +334,8 @@ struct DecodeLayer {
     TORCH_CHECK(!is_moe() || remote != nullptr || (gate_up.defined() && down.defined()),
                 "DecodeLayer.forward: this layer holds no experts");
     PhaseClock clock;
-    auto [h, ids, wts] = run_attention(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window, clock);
+    auto [h, ids, wts] =
+        run_attention(x, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, sliding_window, clock);
     const int64_t T = x.size(0);
     if (T == 0) return {0.0, ids};
     if (!is_moe()) {  // a dense layer: x + mlp(h), as transformers adds it
@@ -361,7 +363,8 @@ struct DecodeLayer {
   bool has_mlp() const { return mlp_gate.weight.defined(); }
 
  private:
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> run_attention(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> run_attention(at::Tensor& x, const at::Tensor& cos,
+                                                           const at::Tensor& sin,
                                                            at::Tensor& k_cache, at::Tensor& v_cache,
                                                            const at::Tensor& slots, const at::Tensor& block_tables,
                                                            const at::Tensor& seq_lens, int64_t sliding_window,
@@ -460,7 +463,8 @@ struct DecodeLayer {
 
 // out [T, n] = RMSNorm of x [T, n] with weight [n] (the model's final norm after the native layers).
 at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous f32 [T, n]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rms_norm: x must be contiguous f32 [T, n]");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
               "rms_norm: weight must be contiguous f32 [n]");
   at::Tensor out = at::empty_like(x);
@@ -501,9 +505,10 @@ std::tuple<at::Tensor, std::vector<double>, std::vector<at::Tensor>> decode_laye
   return {rms_norm_f32(x, final_norm, final_eps), std::move(seconds), std::move(ids)};
 }
 
-// The index of the largest of n logits (the first of equal maxima, as torch.argmax), or kNoToken (tandem.engine.sampling_params.NO_TOKEN) when the row
-// holds a NaN or its largest is not finite (+inf, or all -inf): the model went wrong for that
-// sequence, which the scheduler then finishes with "error", as the Python sampler's rows.
+// The index of the largest of n logits (the first of equal maxima, as torch.argmax), or kNoToken
+// (tandem.engine.sampling_params.NO_TOKEN) when the row holds a NaN or its largest is not finite
+// (+inf, or all -inf): the model went wrong for that sequence, which the scheduler then finishes
+// with "error", as the Python sampler's rows.
 constexpr int64_t kNoToken = -1;
 int64_t argmax_row(const float* l, int64_t n) {
   int64_t best = 0;

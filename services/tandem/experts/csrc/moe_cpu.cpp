@@ -216,7 +216,8 @@ struct ActRows {
   // quantize: nullptr leaves the rows f32 (kind is then ignored).
   void fill(const float* x, const std::vector<int64_t>& row_of, int64_t K, int64_t group, int64_t kind,
             QuantizeAct quantize) {
-    const int64_t n = static_cast<int64_t>(row_of.size()), src_rows = *std::max_element(row_of.begin(), row_of.end()) + 1;
+    const int64_t n = static_cast<int64_t>(row_of.size());
+    const int64_t src_rows = *std::max_element(row_of.begin(), row_of.end()) + 1;
     const int64_t blocks = K / 32 + 4, groups = K / group, lanes = K / 4 + 16;  // padding: see the kernels
     rows.resize(n);
     if (quantize) {
