@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--regex", help="the output matches this regular expression (Rust regex syntax)")
     structured.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
     structured.add_argument("--grammar", help="the output follows this Lark or GBNF grammar (text, or @FILE)")
-    gen.set_defaults(func=cmd_generate, engine_flags=add_engine_args(gen))
+    gen.set_defaults(func=cmd_generate, engine_flags=add_engine_args(gen), server_flags=add_client_connection_args(gen))
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
     try:
@@ -145,6 +145,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
                             "scheduling; default 1)"),
     ]
     return actions
+
+
+def add_client_connection_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The flags of a connection to --server: TLS (the server's names, as vLLM's) and an API key; returns their
+    actions."""
+    from tandem import contract
+
+    tls = p.add_argument_group("TLS, with --server", "any of these connects over TLS")
+    return [
+        tls.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CAs"),
+        tls.add_argument("--ssl-ca-certs", metavar="PEM", help="trust the server's certificate by these CAs instead"),
+        tls.add_argument("--ssl-certfile", metavar="PEM",
+                         help="present this client certificate chain (mutual TLS), with --ssl-keyfile"),
+        tls.add_argument("--ssl-keyfile", metavar="PEM", help="the client certificate's private key"),
+        tls.add_argument("--ssl-server-name", metavar="NAME",
+                         help="the name the server's certificate must hold, when --server names it otherwise "
+                              "(an IP address, say)"),
+        p.add_argument("--api-key", metavar="KEY",
+                       help=f"with --server: the key a server started with --api-key wants (default: "
+                            f"{contract.API_KEY_ENV}, if set)"),
+    ]
 
 
 def add_page_lock_arg(p: argparse.ArgumentParser) -> argparse.Action:
@@ -316,6 +337,9 @@ def cmd_generate(args) -> int:
             raise UsageError(f"{', '.join(given)}: engine flags, for --model; with --server the server's own "
                              f"settings apply")
         return run_remote_generate(args)
+    given = flags_given(args, args.server_flags)
+    if given:
+        raise UsageError(f"{', '.join(given)}: for --server, a connection to a server")
     if args.priority:
         raise UsageError("--priority: for --server, whose scheduler orders requests by it; one request here has "
                          "nothing to wait for")
@@ -369,4 +393,7 @@ def print_result(args, token_ids, text, finish_reason, prompt_tokens, cached_tok
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # main() of tandem.cli, not of __main__: the modules it imports raise tandem.cli's UsageError
+    from tandem.cli import main as tandem_main
+
+    sys.exit(tandem_main())

@@ -8,6 +8,11 @@ Change a value here and both sides change together.
 GRPC_PORT = 50051
 METRICS_PORT = 9400
 EXPERTS_SOCKET = "unix:/run/tandem/experts.sock"
+# An API key the Inference API requires (tandem serve --api-key; tandem.rpc.auth), from the environment:
+# the operator sets it from a Secret, out of the process's arguments.
+API_KEY_ENV = "TANDEM_API_KEY"
+# With TLS on the gRPC port, the attention container's probes ask the health service here (--health-listen).
+HEALTH_SOCKET = "unix:/run/tandem/health.sock"
 # Shared-memory files both containers of a pod map, each in an emptyDir of medium Memory mounted
 # at a directory of its own; the flags name a path prefix inside it (the files add suffixes).
 KV_SHM_DIR = "/dev/shm/tandem/kv"  # the CPU KV tier's volume
@@ -90,6 +95,13 @@ SERVE_FLAGS = {
     # vLLM's flag: fcfs or priority (GenerateRequest.priority); rendered only when spec.attention.schedulingPolicy
     # is priority
     "scheduling_policy": "--scheduling-policy",
+    # TLS on the Inference API's port (vLLM's flag names): the certificate chain and key files, reloaded when
+    # they change; with --ssl-ca-certs, clients must present a certificate signed by one of its CAs
+    "ssl_certfile": "--ssl-certfile",
+    "ssl_keyfile": "--ssl-keyfile",
+    "ssl_ca_certs": "--ssl-ca-certs",
+    # a second, plaintext listener serving only grpc.health.v1 (the kubelet's probes cannot speak TLS)
+    "health_listen": "--health-listen",
 }
 EXPERT_QUANTS = ("none", "int8", "int4")
 # --kv-cache-dtype: "auto" (the model's dtype) or float8 e4m3, named "fp8" or, as vLLM also names it, "fp8_e4m3"

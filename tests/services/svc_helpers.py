@@ -24,12 +24,21 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SMALL_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--cpu-kv-gib", "0.01"]
 
 
+def channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """A plaintext channel, or with `credentials` a TLS one whose connections are its own: each
+    makes a handshake, not sharing another channel's (a certificate rotated since must show)."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address)
+    return grpc.aio.secure_channel(address, credentials, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
 async def wait_health(address: str, status, service: str = contract.INFERENCE_SERVICE,
-                      timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+                      timeout_s: float = STARTUP_TIMEOUT_S, credentials: grpc.ChannelCredentials | None = None) -> None:
     """Waits (Health.Watch, no polling) until `service` reports `status`: by default the Inference
-    service (readiness); "" is the process as a whole (liveness; see tandem.rpc.server.Health)."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    service (readiness); "" is the process as a whole (liveness; see tandem.rpc.server.Health).
+    Over TLS with `credentials`."""
+    async with channel(address, credentials) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
         call = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=True)
         async for response in call:
             if response.status == status:
@@ -47,10 +56,11 @@ async def eventually(read, expected, timeout_s: float = 10.0):
     return value
 
 
-async def generate(address: str, request: inference_pb2.GenerateRequest, timeout_s: float = 60):
-    """All GenerateResponses of one stream."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
+async def generate(address: str, request: inference_pb2.GenerateRequest, timeout_s: float = 60,
+                   credentials: grpc.ChannelCredentials | None = None):
+    """All GenerateResponses of one stream (over TLS with `credentials`)."""
+    async with channel(address, credentials) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
         return [r async for r in stub.Generate(request, timeout=timeout_s)]
 
 
@@ -110,7 +120,8 @@ class ServeProcess:
             except queue.Empty:
                 raise RuntimeError(f"no log line matching {pattern!r}:\n{self.log()}") from None
             if line is None:
-                raise RuntimeError(f"tandem serve exited ({self.proc.wait()}) before logging {pattern!r}:\n{self.log()}")
+                raise RuntimeError(f"tandem serve exited ({self.proc.wait()}) before logging {pattern!r}:\n"
+                                   f"{self.log()}")
             if regex.search(line):
                 return line
 

@@ -18,18 +18,19 @@ def test_every_contract_flag_is_accepted(tmp_path):
               "experts": contract.EXPERTS_SOCKET, "kv_shm": contract.KV_SHM_PATH, "device": "cpu",
               "dtype": "bfloat16", "threads": "3", "block_size": "32", "gpu_memory_fraction": "0.5",
               "cpu_kv_gib": "2", "expert_quant": "int8", "spin_us": "20000", "num_scheduler_steps": "4",
-              "kv_cache_dtype": "fp8", "scheduling_policy": "priority"}
+              "kv_cache_dtype": "fp8", "scheduling_policy": "priority", "health_listen": contract.HEALTH_SOCKET}
     switches = {"cpu_decode": True, "no_cpu_decode": False}  # flags without a value
     # --experts-gguf goes with neither --role attention nor --expert-quant: see the test below;
-    # --experts-shm is the experts role's only: below too
-    assert set(values) | set(switches) | {"experts_gguf", "experts_shm"} == set(contract.SERVE_FLAGS)
+    # --experts-shm is the experts role's only: below too; the TLS flags read their files: test_grpc_tls.py
+    tls = {"ssl_certfile", "ssl_keyfile", "ssl_ca_certs"}
+    assert set(values) | set(switches) | {"experts_gguf", "experts_shm"} | tls == set(contract.SERVE_FLAGS)
     argv = [a for key, flag in contract.SERVE_FLAGS.items() if key in values for a in (flag, values[key])]
     opts = parse(*argv)
     assert (opts.role, opts.experts, opts.kv_shm, opts.metrics_port) == (
         "attention", contract.EXPERTS_SOCKET, contract.KV_SHM_PATH, 9500)
     assert (opts.threads, opts.block_size, opts.gpu_memory_fraction, opts.expert_quant) == (3, 32, 0.5, "int8")
     assert opts.spin_us == 20000 and opts.num_scheduler_steps == 4 and opts.kv_cache_dtype == "fp8"
-    assert opts.scheduling_policy == "priority"
+    assert opts.scheduling_policy == "priority" and opts.health_listen == contract.HEALTH_SOCKET
     for key, value in switches.items():
         assert parse(*argv, contract.SERVE_FLAGS[key]).cpu_decode is value
 

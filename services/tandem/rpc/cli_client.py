@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import grpc
 
+from tandem import contract
+from tandem.rpc import auth, tls
 from tandem.rpc.addresses import check_address
 from tandem.rpc.gen import inference_pb2, inference_pb2_grpc
 
@@ -43,7 +46,7 @@ def build_request(args) -> inference_pb2.GenerateRequest:
     return request
 
 
-def collect(stub, request, timeout_s: float | None = None) -> list[dict]:
+def collect(stub, request, timeout_s: float | None = None, metadata=()) -> list[dict]:
     """Runs one Generate stream to its end: for each of its completions, by index, token_ids, text,
     finish_reason, usage and, when asked for, logprobs (a TokenLogprobs per token) and
     prompt_logprobs (one per prompt token, None for the first; completion 0's only)."""
@@ -54,7 +57,7 @@ def collect(stub, request, timeout_s: float | None = None) -> list[dict]:
 
     n = request.sampling.n if request.sampling.HasField("n") else 1
     parts = [{"token_ids": [], "texts": [], "logprobs": [], "prompt_logprobs": [None], "last": None} for _ in range(n)]
-    for response in stub.Generate(request, timeout=timeout_s):
+    for response in stub.Generate(request, timeout=timeout_s, metadata=metadata):
         part = parts[response.index]
         part["token_ids"].extend(response.token_ids)
         part["texts"].append(response.text)
@@ -76,24 +79,39 @@ def collect(stub, request, timeout_s: float | None = None) -> list[dict]:
              else None} for i, p in enumerate(parts)]
 
 
+def uses_tls(args) -> bool:
+    return bool(args.tls or args.ssl_ca_certs or args.ssl_certfile or args.ssl_keyfile or args.ssl_server_name)
+
+
+def open_channel(address: str, args) -> grpc.Channel:
+    """A channel to --server, over TLS when any TLS flag is given; ValueError naming a bad flag."""
+    if not uses_tls(args):
+        return grpc.insecure_channel(address)
+    credentials = tls.channel_credentials(tls.TlsFiles(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs))
+    options = [("grpc.ssl_target_name_override", args.ssl_server_name)] if args.ssl_server_name else []
+    return grpc.secure_channel(address, credentials, options=options)
+
+
 def run_remote_generate(args) -> int:
     """`tandem generate --server ADDR ...`: prints what the local form prints. Returns the exit status."""
     from tandem.cli import UsageError, print_result
 
     try:
         address = check_address(args.server, "--server")
+        request = build_request(args)
+        channel = open_channel(address, args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    request = build_request(args)
-    with grpc.insecure_channel(address) as channel:
+    with channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
+        metadata = auth.client_metadata(args.api_key or os.environ.get(contract.API_KEY_ENV) or None)
         try:
-            info = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=30)
-            results = collect(stub, request)
+            info = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=30, metadata=metadata)
+            results = collect(stub, request, metadata=metadata)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise UsageError(exc.details()) from None
-            print(f"tandem: error: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"tandem: error: {address}: {_describe(exc, uses_tls(args))}", file=sys.stderr)
             return 1
     for result in results:
         text = result["text"] if info.has_tokenizer else None
@@ -101,3 +119,13 @@ def run_remote_generate(args) -> int:
                      result["cached_tokens"], result["logprobs"], result["prompt_logprobs"], result["index"],
                      result["stop_reason"])
     return 0
+
+
+def _describe(exc: grpc.RpcError, secure: bool) -> str:
+    """One line: what a TLS mismatch's UNAVAILABLE or a refused key means, else the status and details."""
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return (f"the server wants an API key (--api-key, or {contract.API_KEY_ENV}): {exc.code().name}: "
+                f"{exc.details()}")
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and (hint := tls.explain_unavailable(exc.details(), secure)):
+        return hint
+    return f"{exc.code().name}: {exc.details()}"

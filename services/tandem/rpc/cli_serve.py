@@ -92,12 +92,28 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "wake). Worth it (e.g. 20000) whether the two processes have cores of their own or share "
                         "them; the polling is CPU time, counted against a container's CPU limit (default 0: "
                         "sleep at once)")
+    tls = p.add_argument_group("TLS", "TLS on --listen (health and reflection included); /metrics stays plaintext")
+    tls.add_argument(F["ssl_certfile"], metavar="PEM",
+                     help="serve --listen over TLS with this certificate chain (with --ssl-keyfile); the files are "
+                          "read again when they change (a renewed Secret), for new connections")
+    tls.add_argument(F["ssl_keyfile"], metavar="PEM", help="the certificate's private key, unencrypted")
+    tls.add_argument(F["ssl_ca_certs"], metavar="PEM",
+                     help="mutual TLS: clients must present a certificate signed by one of these CAs")
+    p.add_argument(F["health_listen"], metavar="ADDR",
+                   help="also serve the health service alone, in plaintext, on host:port or unix:/path (e.g. "
+                        f"{contract.HEALTH_SOCKET}): for the kubelet's gRPC probes, which speak no TLS")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help=f"calls of the Inference API must carry the metadata 'authorization: Bearer KEY' (vLLM's "
+                        f"flag); repeat it to accept several (an old and a new key while clients move over). "
+                        f"{contract.API_KEY_ENV}, if set, is one more (a key out of the process's arguments). "
+                        f"Health and reflection stay open")
     p.set_defaults(func=run_serve)
     return p
 
 
 def options_from_args(args):
     """ServeOptions from parsed flags; ValueError names the bad flag."""
+    from tandem.rpc.auth import server_keys
     from tandem.rpc.server import ServeOptions
 
     metrics_port = args.metrics_port
@@ -115,7 +131,9 @@ def options_from_args(args):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout,
         spin_us=args.spin_us, enforce_eager=args.enforce_eager, page_lock_experts=args.page_lock_experts,
-        num_scheduler_steps=args.num_scheduler_steps, scheduling_policy=args.scheduling_policy)
+        num_scheduler_steps=args.num_scheduler_steps, scheduling_policy=args.scheduling_policy,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+        health_listen=args.health_listen, api_keys=server_keys(args.api_key))
 
 
 def run_serve(args) -> int:

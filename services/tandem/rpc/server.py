@@ -25,11 +25,14 @@ from grpc_reflection.v1alpha import reflection
 from tandem import contract
 from tandem.metrics import ExpertsMetrics, ServingMetrics
 from tandem.rpc import experts_server, inference_server, loading
-from tandem.rpc.addresses import check_address, prepare_unix_socket, with_bound_port
+from tandem.rpc.addresses import check_address
+from tandem.rpc.auth import ApiKeyInterceptor, check_keys
 from tandem.rpc.cpu_attention import CpuAttention, SharedCpuKV, publish_layout, withdraw_layout
 from tandem.rpc.engine_loop import EngineLoop
 from tandem.rpc.expert_wire import data_socket_path
 from tandem.rpc.experts_data import DataPlaneServer
+from tandem.rpc.listeners import listen
+from tandem.rpc.tls import TlsFiles, server_files
 
 log = logging.getLogger("tandem.serve")
 
@@ -99,6 +102,11 @@ class ServeOptions:
     page_lock_experts: bool = True  # CUDA: the experts' host memory page-locked for prefill copies
     num_scheduler_steps: int = 1  # decode tokens per engine step while only decodes run
     scheduling_policy: str = "fcfs"  # or "priority": GenerateRequest.priority orders the queues
+    ssl_certfile: str | None = None  # TLS on --listen: the certificate chain
+    ssl_keyfile: str | None = None  # and its key
+    ssl_ca_certs: str | None = None  # mutual TLS: clients present a certificate these CAs signed
+    health_listen: str | None = None  # a second, plaintext listener serving only grpc.health.v1
+    api_keys: tuple[str, ...] = ()  # calls of the Inference API must carry one (tandem.rpc.auth); () for none
 
     def __post_init__(self):
         if self.role not in contract.ROLES:
@@ -151,6 +159,10 @@ class ServeOptions:
         if not 0 <= self.spin_us <= 1_000_000:
             raise ValueError(f"--spin-us must be in 0..1000000, got {self.spin_us}")
         self._check_spin()
+        self._check_listeners()
+        check_keys(self.api_keys)
+        if self.api_keys and self.role == "experts":  # its peer, the attention process, sends none
+            raise ValueError("--api-key is for the Inference API (--role all or attention), not --role experts")
         if self.role == "experts":
             self._check_experts_role()
         elif self.role == "attention" and self.max_num_batched_tokens > experts_server.MAX_FORWARD_TOKENS:
@@ -168,6 +180,25 @@ class ServeOptions:
         if data_socket_path(address) is None:
             raise ValueError(f"--spin-us polls the data plane, which needs a Unix socket: --role {self.role} "
                              f"with {flag} {address}")
+
+    def _check_listeners(self) -> None:
+        """--health-listen, and --listen's TLS files."""
+        flag = contract.SERVE_FLAGS["health_listen"]
+        if self.health_listen is not None:
+            check_address(self.health_listen, flag)
+            if self.health_listen == self.listen:
+                raise ValueError(f"{flag} {self.health_listen}: the address of --listen too")
+        files = self.tls_files
+        if files is None:
+            return
+        if self.role == "experts":  # its peer, the attention process in the same pod, dials it in plaintext
+            raise ValueError(f"{contract.SERVE_FLAGS['ssl_certfile']} is for the Inference API (--role all or "
+                             f"attention), not --role experts")
+        files.load()  # a file that cannot serve is a bad flag, found before anything starts
+
+    @property
+    def tls_files(self) -> TlsFiles | None:
+        return server_files(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
 
     def _check_experts_role(self) -> None:
         """The experts role computes on the CPU and runs no engine: a flag it would ignore is an error,
@@ -192,11 +223,17 @@ class Health:
     They differ while the attention process waits for its experts peer, or drains after SIGTERM:
     the service is NOT_SERVING, the process SERVING. A liveness probe on "" then leaves the
     process that holds the GPU weights alone while a probe on the service takes it out of
-    rotation."""
+    rotation.
+
+    One servicer answers on every server it is added to: --listen's and --health-listen's report
+    the same statuses."""
 
     def __init__(self, server: grpc.aio.Server, service: str):
         self.servicer = health.aio.HealthServicer()
         self.service = service
+        self.add_to(server)
+
+    def add_to(self, server: grpc.aio.Server) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
 
     async def set(self, serving: bool) -> None:
@@ -231,11 +268,14 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
     """Runs the server until SIGTERM or SIGINT; returns the exit status (0 after a clean shutdown).
 
     Embedding it (tests): pass `stop` to stop it instead of signals, and `started` to learn
-    {"address": bound address, "metrics_port": port or None} once it listens.
+    {"address": bound address, "metrics_port": port or None, "health_address": --health-listen's
+    bound address or None} once it listens.
     """
     loop = asyncio.get_running_loop()
     metrics = ExpertsMetrics() if opts.role == "experts" else ServingMetrics()
-    server = grpc.aio.server(options=SERVER_OPTIONS if opts.role == "experts" else INFERENCE_OPTIONS)
+    interceptors = [ApiKeyInterceptor(opts.api_keys, opts.service)] if opts.api_keys else []
+    server = grpc.aio.server(options=SERVER_OPTIONS if opts.role == "experts" else INFERENCE_OPTIONS,
+                             interceptors=interceptors)
     health_state = Health(server, opts.service)
     if opts.role == "experts":
         servicer = experts_server.ExpertsServicer(metrics)
@@ -247,20 +287,26 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
         (opts.service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await health_state.set(False)
     await health_state.set_alive(False)
+    # The kubelet's gRPC probes speak no TLS: they get the health service alone, in plaintext.
+    health_server = grpc.aio.server(options=EXCLUSIVE_PORT) if opts.health_listen else None
+    if health_server is not None:
+        health_state.add_to(health_server)
+    servers = [s for s in (server, health_server) if s is not None]
 
     try:
-        port, httpd = _listen(server, metrics, opts)
+        bound = listen(server, health_server, metrics, opts)
     except ValueError as exc:  # found before the server starts, as a bad flag is: exit code 2
         log.error("cannot listen: %s", str(exc))  # str: a record holding exc would hold its frames, server too
-        await server.start()  # with no port: the usual start-then-stop, not the teardown of one never started
-        await server.stop(grace=0)
+        for s in servers:  # bound or not: the usual start-then-stop, not the teardown of one never started
+            await s.start()
+            await s.stop(grace=0)
         return 2
-    await server.start()
-    address = with_bound_port(opts.listen, port)
-    log.info("role %s listening on %s%s", opts.role, address,
-             f"; metrics on {_metrics_url(httpd)}" if httpd else "")
+    for s in servers:
+        await s.start()
+    log.info("role %s listening on %s", opts.role, bound.describe())
     if started is not None:
-        started.set_result({"address": address, "metrics_port": httpd.server_port if httpd else None})
+        started.set_result({"address": bound.address, "metrics_port": bound.metrics_port,
+                            "health_address": bound.health_address})
 
     if stop is None:
         stop = asyncio.Event()
@@ -338,38 +384,10 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
             servicer.close()
         if data_plane is not None:
             data_plane.close()
-        if httpd is not None:
-            httpd.close()  # the port is free once serve() returns
-
-
-def _listen(server: grpc.aio.Server, metrics, opts: ServeOptions):
-    """Binds --listen and the metrics endpoint: (the gRPC port bound, the metrics HTTP server or
-    None). ValueError naming the flag when either cannot be bound, with nothing left bound."""
-    # The metrics endpoint first: a gRPC server with a bound port must be started before it goes
-    # (grpc/grpc#10084: destroying one that never started can crash the process), so its port is
-    # bound last, once nothing else can fail.
-    httpd = None
-    if opts.metrics_port is not None:
-        try:
-            httpd = metrics.serve_http(opts.metrics_port, opts.metrics_host)
-        except OSError as exc:  # in use, or --metrics-host not an address of this host
-            where = f"port {opts.metrics_port}"
-            if opts.metrics_host:
-                where = f"{opts.metrics_host} {where}"
-            raise ValueError(f"--metrics-port: cannot serve /metrics on {where}: {exc.strerror or exc}") from None
-    prepare_unix_socket(opts.listen)
-    try:
-        return server.add_insecure_port(opts.listen), httpd
-    except RuntimeError:  # gRPC's own message says only "failed to bind", and logs the reason
-        if httpd is not None:
-            httpd.close()
-        raise ValueError(f"--listen {opts.listen}: cannot bind it (in use, or not an address of this "
-                         f"host)") from None
-
-
-def _metrics_url(httpd) -> str:
-    host = httpd.server_address[0]
-    return f"http://{f'[{host}]' if ':' in host else host}:{httpd.server_port}/metrics"
+        if bound.httpd is not None:
+            bound.httpd.close()  # the port is free once serve() returns
+        if health_server is not None:  # after the main server: probes see the drain's NOT_SERVING to the end
+            await health_server.stop(grace=0)
 
 
 async def _release_withdrawn_tier(cpu_kv: SharedCpuKV, period_s: float = 1.0) -> None:
