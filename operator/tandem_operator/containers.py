@@ -7,6 +7,10 @@ experts' stored weights (`--experts-shm`, the experts container), which the atte
 maps to run large prefill chunks' experts on the GPU. Requests equal limits in both, with whole
 CPUs, so the pod is Guaranteed QoS and the kubelet's static CPU manager and topology manager can
 pin it to one socket.
+
+With `spec.tls` the attention container serves the public port over TLS, from the Secret (and a
+client CA) mounted read-only; the kubelet's gRPC probes cannot speak TLS, so its probes then ask a
+plaintext health listener on a Unix socket in the sockets emptyDir, as the experts' probes do.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from tandem import contract
 
 from . import names
 from .spec import MODEL_MOUNT, HybridModelSpec
+from .spec_fields import TLS_CERT_KEY, TLS_KEY_KEY
 
 FLAGS = contract.SERVE_FLAGS
 SOCKET_DIR = posixpath.dirname(contract.EXPERTS_SOCKET.removeprefix("unix:"))
@@ -28,13 +33,22 @@ SOCKET_VOLUME = "sockets"
 KV_VOLUME = "kv-cpu-tier"
 EXPERTS_VOLUME = "expert-weights"
 TMP_VOLUME = "tmp"
+TLS_VOLUME = "tls"  # with spec.tls: its certSecret
+CLIENT_CA_VOLUME = "client-ca"  # with a client CA: its Secret or ConfigMap
+
+# Where the attention container finds spec.tls's files. The Secret's keys keep their names; the client
+# CA's key, whatever the spec names it, is the file CLIENT_CA_FILE.
+TLS_DIR = "/etc/tandem/tls"
+CLIENT_CA_DIR = "/etc/tandem/client-ca"
+CLIENT_CA_FILE = "ca.crt"
 
 # The experts process's metrics port name, shared with tandem_operator.service and the chart's
 # ServiceMonitor (charts/tandem/templates/_models.tpl).
 EXPERTS_METRICS_PORT_NAME = "expert-metrics"
 
-# The kubelet's gRPC probe speaks TCP only; the experts server listens on the Unix socket, so
-# its probe is the same health Check, made from inside the container with the image's grpcio.
+# The kubelet's gRPC probe speaks TCP only, without TLS; the experts server (and, with spec.tls, the
+# attention server's health listener) listens on a Unix socket, so their probe is the same health
+# Check, made from inside the container with the image's grpcio.
 HEALTH_CHECK_SCRIPT = (
     "import sys, grpc\n"
     "from grpc_health.v1 import health_pb2 as pb, health_pb2_grpc as rpc\n"
@@ -63,20 +77,26 @@ def build_attention_container(spec: HybridModelSpec) -> dict:
         *_unless_default("scheduling_policy", spec.attention.schedulingPolicy, "fcfs"),
         # the attention process writes the KV and publishes the CPU tier's dtype to the experts process
         *_unless_default("kv_cache_dtype", spec.kvCache.dtype, "auto"),
+        *_tls_args(spec),
     ]
     resources = {"cpu": str(spec.attention.cpus), "memory": spec.attention.memory,
                  "nvidia.com/gpu": str(spec.attention.gpus)}
+    container = _common(spec, names.ATTENTION, args, resources)
+    container["volumeMounts"] += _tls_mounts(spec)
+    if spec.apiKeySecret is not None:  # from the environment: the key stays out of the pod's command line
+        key_ref = {"name": spec.apiKeySecret.name, "key": spec.apiKeySecret.key}
+        container["env"].append({"name": contract.API_KEY_ENV, "valueFrom": {"secretKeyRef": key_ref}})
     return {
-        **_common(spec, names.ATTENTION, args, resources),
+        **container,
         "ports": [
             {"name": "grpc", "containerPort": contract.GRPC_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": contract.METRICS_PORT, "protocol": "TCP"},
         ],
-        "startupProbe": _grpc_probe(contract.INFERENCE_SERVICE, STARTUP_PERIOD_SECONDS, STARTUP_FAILURES),
-        "readinessProbe": _grpc_probe(contract.INFERENCE_SERVICE, 5, 3),
+        "startupProbe": _attention_probe(spec, contract.INFERENCE_SERVICE, STARTUP_PERIOD_SECONDS, STARTUP_FAILURES),
+        "readinessProbe": _attention_probe(spec, contract.INFERENCE_SERVICE, 5, 3),
         # Liveness asks for the server as a whole (service ""), so a lost experts peer makes the
         # pod unready rather than restarting the process that holds the GPU weights.
-        "livenessProbe": _grpc_probe("", 10, 6),
+        "livenessProbe": _attention_probe(spec, "", 10, 6),
     }
 
 
@@ -99,9 +119,10 @@ def build_experts_container(spec: HybridModelSpec) -> dict:
         **container,
         "ports": [{"name": EXPERTS_METRICS_PORT_NAME, "containerPort": contract.EXPERTS_METRICS_PORT,
                    "protocol": "TCP"}],
-        "startupProbe": _exec_probe(contract.EXPERTS_SERVICE, STARTUP_PERIOD_SECONDS, STARTUP_FAILURES),
-        "readinessProbe": _exec_probe(contract.EXPERTS_SERVICE, 5, 3),
-        "livenessProbe": _exec_probe("", 10, 6),
+        "startupProbe": _exec_probe(contract.EXPERTS_SERVICE, STARTUP_PERIOD_SECONDS, STARTUP_FAILURES,
+                                    contract.EXPERTS_SOCKET),
+        "readinessProbe": _exec_probe(contract.EXPERTS_SERVICE, 5, 3, contract.EXPERTS_SOCKET),
+        "livenessProbe": _exec_probe("", 10, 6, contract.EXPERTS_SOCKET),
     }
 
 
@@ -153,6 +174,27 @@ def _spin_args(spec: HybridModelSpec) -> list[str]:
     return _unless_default("spin_us", spec.experts.spinMicroseconds, 0)
 
 
+def _tls_args(spec: HybridModelSpec) -> list[str]:
+    if spec.tls is None:
+        return []
+    args = [FLAGS["ssl_certfile"], posixpath.join(TLS_DIR, TLS_CERT_KEY),
+            FLAGS["ssl_keyfile"], posixpath.join(TLS_DIR, TLS_KEY_KEY)]
+    if spec.tls.client_ca is not None:
+        args += [FLAGS["ssl_ca_certs"], posixpath.join(CLIENT_CA_DIR, CLIENT_CA_FILE)]
+    return args + [FLAGS["health_listen"], contract.HEALTH_SOCKET]
+
+
+def _tls_mounts(spec: HybridModelSpec) -> list[dict]:
+    # Whole directories, never subPath: the kubelet then swaps in a renewed certificate, and the
+    # server reloads it.
+    if spec.tls is None:
+        return []
+    mounts = [{"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True}]
+    if spec.tls.client_ca is not None:
+        mounts.append({"name": CLIENT_CA_VOLUME, "mountPath": CLIENT_CA_DIR, "readOnly": True})
+    return mounts
+
+
 def _unless_default(flag: str, value: int | str, default: int | str) -> list[str]:
     # Only when not the default: a new flag in every pod template would roll every HybridModel's
     # pods on an operator upgrade.
@@ -179,6 +221,13 @@ def _common(spec: HybridModelSpec, name: str, args: list[str], resources: dict) 
     }
 
 
+def _attention_probe(spec: HybridModelSpec, service: str, period: int, failures: int) -> dict:
+    # Over TLS the kubelet's gRPC probe fails the handshake: ask the plaintext health socket instead.
+    if spec.tls is None:
+        return _grpc_probe(service, period, failures)
+    return _exec_probe(service, period, failures, contract.HEALTH_SOCKET)
+
+
 def _grpc_probe(service: str, period: int, failures: int) -> dict:
     return {
         "grpc": {"port": contract.GRPC_PORT, "service": service},
@@ -188,9 +237,8 @@ def _grpc_probe(service: str, period: int, failures: int) -> dict:
     }
 
 
-def _exec_probe(service: str, period: int, failures: int) -> dict:
-    command = ["python", "-c", HEALTH_CHECK_SCRIPT, contract.EXPERTS_SOCKET, service,
-               str(PROBE_TIMEOUT_SECONDS - 1)]
+def _exec_probe(service: str, period: int, failures: int, socket: str) -> dict:
+    command = ["python", "-c", HEALTH_CHECK_SCRIPT, socket, service, str(PROBE_TIMEOUT_SECONDS - 1)]
     return {
         "exec": {"command": command},
         "periodSeconds": period,

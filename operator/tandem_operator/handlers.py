@@ -51,7 +51,7 @@ def on_spec(body: Mapping, logger: logging.Logger, **_: Any) -> None:
 
 
 def resync(body: dict, memo: Any, logger: logging.Logger) -> None:
-    """The periodic safety net for drift that no watch event reported."""
+    """The periodic safety net: drift that no watch event reported, and spec.tls's Secrets, which none can."""
     del memo  # nothing to keep between rounds
     current = reconcile.live(body)
     if current is None:  # deleted while the watch was down: no DELETED event came

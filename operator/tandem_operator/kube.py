@@ -46,9 +46,10 @@ SERVICES = Resource("", "v1", "services", "Service")
 PDBS = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 PODS = Resource("", "v1", "pods", "Pod")
 HYBRIDMODELS = Resource(names.GROUP, names.VERSION, names.PLURAL, names.KIND)
-# Only read, one by name: the credentials of a Prometheus the autoscaler queries.
+# Only read, one by name: the credentials of a Prometheus the autoscaler queries, and spec.tls's
+# certificate and client CA, checked before the pods mount them.
 SECRETS = Resource("", "v1", "secrets", "Secret")
-CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")  # only read, one by name: a Prometheus' CA bundle
+CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")  # the same, for CA bundles
 BY_KIND = {r.kind: r for r in (DEPLOYMENTS, SERVICES, PDBS, PODS, HYBRIDMODELS, SECRETS, CONFIGMAPS)}
 
 

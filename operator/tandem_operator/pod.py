@@ -2,7 +2,8 @@
 
 The volumes: the model (any volume source from the spec, read-only) and emptyDirs: the experts'
 Unix socket, /tmp, and two of medium Memory whose files both containers map: the CPU KV tier and
-the experts' stored weights.
+the experts' stored weights. With `spec.tls`, the Secret (and the client CA's Secret or ConfigMap)
+the attention container serves TLS with.
 """
 
 from __future__ import annotations
@@ -10,14 +11,18 @@ from __future__ import annotations
 from tandem import contract
 
 from . import names, placement
-from .containers import (EXPERTS_VOLUME, KV_VOLUME, MODEL_VOLUME, SOCKET_VOLUME, TMP_VOLUME,
-                         build_attention_container, build_experts_container)
-from .spec import HybridModelSpec
+from .containers import (CLIENT_CA_FILE, CLIENT_CA_VOLUME, EXPERTS_VOLUME, KV_VOLUME, MODEL_VOLUME, SOCKET_VOLUME,
+                         TLS_VOLUME, TMP_VOLUME, build_attention_container, build_experts_container)
+from .spec import HybridModelSpec, TLSSpec
+from .spec_fields import TLS_CERT_KEY, TLS_KEY_KEY
 
 # A fixed unprivileged uid/gid (the distroless "nonroot" user), so runAsNonRoot holds even for
 # images whose USER is a name the kubelet cannot check.
 NONROOT_ID = 65532
 TERMINATION_GRACE_SECONDS = 60
+# The kubelet writes Secret and ConfigMap volumes' files owned by root, in group fsGroup: readable by
+# the group, the servers' NONROOT_ID, and by nobody else.
+TLS_FILE_MODE = 0o440
 
 
 def build_pod_template(spec: HybridModelSpec, name: str) -> dict:
@@ -65,7 +70,24 @@ def build_volumes(spec: HybridModelSpec) -> list[dict]:
         # memory limit bounds them already, and bounds the volume.
         {"name": EXPERTS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.experts.memory}},
         {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "1Gi"}},
+        *([] if spec.tls is None else build_tls_volumes(spec.tls)),
     ]
+
+
+def build_tls_volumes(tls: TLSSpec) -> list[dict]:
+    """The certificate's Secret and the client CA's Secret or ConfigMap, each with only the keys it serves."""
+    volumes = [{"name": TLS_VOLUME, "secret": {
+        "secretName": tls.certSecret.name, "items": [_item(TLS_CERT_KEY), _item(TLS_KEY_KEY)],
+        "defaultMode": TLS_FILE_MODE}}]
+    if tls.clientCASecret is not None:
+        volumes.append({"name": CLIENT_CA_VOLUME, "secret": {
+            "secretName": tls.clientCASecret.name, "items": [_item(tls.clientCASecret.key, CLIENT_CA_FILE)],
+            "defaultMode": TLS_FILE_MODE}})
+    if tls.clientCAConfigMap is not None:
+        volumes.append({"name": CLIENT_CA_VOLUME, "configMap": {
+            "name": tls.clientCAConfigMap.name, "items": [_item(tls.clientCAConfigMap.key, CLIENT_CA_FILE)],
+            "defaultMode": TLS_FILE_MODE}})
+    return volumes
 
 
 def build_pod_security_context() -> dict:
@@ -77,3 +99,7 @@ def build_pod_security_context() -> dict:
         "fsGroup": NONROOT_ID,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+def _item(key: str, path: str | None = None) -> dict:
+    return {"key": key, "path": path or key}

@@ -22,6 +22,7 @@ from typing import Callable, Mapping
 from . import kube
 from .metrics_source import MetricsError
 from .prometheus_spec import ConfigMapKeyRef, PrometheusAuth, PrometheusSpec, PrometheusTLS, SecretKeyRef, SecretRef
+from .spec_fields import TLS_CERT_KEY, TLS_KEY_KEY
 
 # Where the kubelet keeps the operator pod's projected ServiceAccount token (and rotates it).
 SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -32,8 +33,6 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # (namespace, name) -> the Secret (or ConfigMap), or None when there is none.
 SecretGetter = Callable[[str, str], "dict | None"]
 ConfigMapGetter = SecretGetter
-# The keys of a kubernetes.io/tls Secret (cert-manager's Certificates write them).
-TLS_CERT_KEY, TLS_KEY_KEY = "tls.crt", "tls.key"
 
 
 @dataclass(frozen=True)

@@ -12,42 +12,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .spec_fields import SpecError, _bool, _known, _object, _string
+from .spec_fields import (ConfigMapKeyRef, SecretKeyRef, SecretRef, SpecError, _bool, _key_ref, _known, _object,
+                          _secret, _string)
 
 WHERE = "spec.autoscaling.metrics.prometheus"
 _URL = re.compile(r"^https?://\S+$")
-# Kubernetes' rules for a Secret's or ConfigMap's name (a DNS-1123 subdomain) and for the keys of its data.
-_OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 # An HTTP field name (RFC 9110's token), and a value without control characters (no header
 # injection through a newline).
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _HEADER_VALUE = re.compile(r"^[^\x00-\x1f\x7f]*$")
 HEADERS_MAX = 16
 HEADER_VALUE_MAX_LENGTH = 1024
-
-
-@dataclass(frozen=True)
-class SecretRef:
-    """A Secret in the HybridModel's namespace."""
-
-    name: str
-
-
-@dataclass(frozen=True)
-class SecretKeyRef:
-    """One key of a Secret in the HybridModel's namespace."""
-
-    name: str
-    key: str
-
-
-@dataclass(frozen=True)
-class ConfigMapKeyRef:
-    """One key of a ConfigMap in the HybridModel's namespace."""
-
-    name: str
-    key: str
 
 
 @dataclass(frozen=True)
@@ -143,30 +118,6 @@ def _auth(raw: Mapping) -> PrometheusAuth:
     if (bearer is not None) + (basic is not None) + auth.serviceAccountToken > 1:
         raise SpecError(f"{where} takes at most one of bearerTokenSecret, basicAuthSecret and serviceAccountToken")
     return auth
-
-
-def _secret(raw: Any, where: str) -> SecretRef:
-    ref = _object(raw, where)
-    _known(ref, where, SecretRef)
-    return SecretRef(_object_name(ref, where, "Secret"))
-
-
-def _key_ref(raw: Any, where: str, kind: type[SecretKeyRef] | type[ConfigMapKeyRef]):
-    """A SecretKeyRef or ConfigMapKeyRef: a name and a key, each as Kubernetes allows them."""
-    ref = _object(raw, where)
-    _known(ref, where, kind)
-    noun = "Secret" if kind is SecretKeyRef else "ConfigMap"
-    key = _string(ref, "key", where, None, 1)
-    if len(key) > 253 or not _KEY.match(key):
-        raise SpecError(f"{where}.key {key!r} must be a {noun}'s key: letters, digits, '-', '_' and '.'")
-    return kind(_object_name(ref, where, noun), key)
-
-
-def _object_name(ref: Mapping, where: str, noun: str) -> str:
-    name = _string(ref, "name", where, None, 1)
-    if len(name) > 253 or not _OBJECT_NAME.match(name):
-        raise SpecError(f"{where}.name {name!r} must be a {noun}'s name (a DNS subdomain)")
-    return name
 
 
 def _headers(raw: Mapping) -> dict:

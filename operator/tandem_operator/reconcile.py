@@ -16,6 +16,7 @@ from .children import build_children
 from .spec import HybridModelSpec, SpecError, check_name, parse_spec
 from .status import DEGRADED, compute_status, invalid_spec_status, rejected_child_status
 from .status_store import write_status
+from .pod_secrets import pod_secrets_problem
 
 # After a throttled (429) or failed (5xx) request, kopf retries the handler this much later.
 RETRY_DELAY_SECONDS = 30
@@ -100,13 +101,13 @@ def _reported(namespace: str, name: str, generation: int | None, reason: str, me
 
 
 def refresh_status(namespace: str, name: str, spec: HybridModelSpec, generation: int | None) -> dict | None:
-    """Recompute replicas, phase and conditions from the Deployment and the pods."""
+    """Recompute replicas, phase and conditions from the Deployment, the pods and what they mount."""
     # The autoscaler may have changed spec.replicas since this handler's body was read.
     latest = kube.get(kube.HYBRIDMODELS, namespace, name) or {}
     desired = (latest.get("spec") or {}).get("replicas", spec.replicas)
     deployment = kube.get(kube.DEPLOYMENTS, namespace, name)
     pods = kube.list_labelled(kube.PODS, namespace, names.selector_labels(name))
-    fields, conditions = compute_status(name, desired, deployment, pods)
+    fields, conditions = compute_status(name, desired, deployment, pods, pod_secrets_problem(spec, namespace))
     fields["desiredReplicas"] = desired
     return write_status(namespace, name, fields, conditions, generation)
 

@@ -17,8 +17,8 @@ from kubernetes.utils import parse_quantity
 from tandem import contract
 
 from .prometheus_spec import PrometheusSpec, parse_prometheus
-from .spec_fields import (SpecError, _bool, _choice, _int, _known, _number, _object, _quantity, _required,
-                          _string)
+from .spec_fields import (ConfigMapKeyRef, SecretKeyRef, SecretRef, SpecError, _bool, _choice, _int, _key_ref, _known,
+                          _number, _object, _quantity, _required, _secret, _string)
 
 
 # Path segments never start with a dot: no `..` escapes from the volume, no hidden dirs.
@@ -33,6 +33,8 @@ DTYPES = ("bfloat16", "float32")  # what `tandem serve --dtype` accepts
 KV_CACHE_DTYPES = ("auto", "fp8")  # what the CRD takes of `tandem serve --kv-cache-dtype`'s values
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 METRICS_SOURCES = ("Pods", "Prometheus")
+CLIENT_CA_KEY = "ca.crt"  # where cert-manager and trust-manager put a CA bundle
+API_KEY_KEY = "api-key"  # spec.apiKeySecret's default key
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,21 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class TLSSpec:
+    """TLS on the public gRPC port; with a client CA, mutual TLS."""
+
+    certSecret: SecretRef  # a kubernetes.io/tls Secret: tls.crt and tls.key
+    # The PEM CA bundle client certificates must be signed by, from at most one of a Secret and a ConfigMap.
+    clientCASecret: SecretKeyRef | None = None
+    clientCAConfigMap: ConfigMapKeyRef | None = None
+
+    @property
+    def client_ca(self) -> SecretKeyRef | ConfigMapKeyRef | None:
+        """Where the client CA bundle comes from; None when clients need no certificate."""
+        return self.clientCASecret or self.clientCAConfigMap
+
+
+@dataclass(frozen=True)
 class HybridModelSpec:
     """A whole, valid HybridModel spec."""
 
@@ -121,6 +138,8 @@ class HybridModelSpec:
     kvCache: KVCacheSpec = field(default_factory=KVCacheSpec)
     placement: PlacementSpec = field(default_factory=PlacementSpec)
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    tls: TLSSpec | None = None
+    apiKeySecret: SecretKeyRef | None = None  # the key the Inference API requires (tandem serve --api-key)
 
     @property
     def model_dir(self) -> str:
@@ -147,6 +166,9 @@ def parse_spec(raw: Mapping[str, Any] | None) -> HybridModelSpec:
         kvCache=_kv_cache(_object(spec.get("kvCache", {}), "spec.kvCache")),
         placement=_placement(_object(spec.get("placement", {}), "spec.placement")),
         autoscaling=_autoscaling(_object(spec.get("autoscaling", {}), "spec.autoscaling")),
+        tls=None if spec.get("tls") is None else _tls(_object(spec["tls"], "spec.tls")),
+        apiKeySecret=None if spec.get("apiKeySecret") is None else _key_ref(spec["apiKeySecret"], "spec.apiKeySecret",
+                                                                            SecretKeyRef, API_KEY_KEY),
     )
     _check_attention_memory(parsed)
     return parsed
@@ -289,6 +311,21 @@ def _metrics(raw: Mapping) -> MetricsSpec:
     if source == "Prometheus" and prometheus is None:
         raise SpecError("metrics.source Prometheus needs metrics.prometheus.url")
     return MetricsSpec(source=source, prometheus=prometheus)
+
+
+def _tls(raw: Mapping) -> TLSSpec:
+    where = "spec.tls"
+    _known(raw, where, TLSSpec)
+    secret, config_map = raw.get("clientCASecret"), raw.get("clientCAConfigMap")
+    if secret is not None and config_map is not None:
+        raise SpecError(f"{where} takes at most one of clientCASecret and clientCAConfigMap")
+    return TLSSpec(
+        certSecret=_secret(_required(raw, "certSecret", where), f"{where}.certSecret"),
+        clientCASecret=None if secret is None else _key_ref(secret, f"{where}.clientCASecret", SecretKeyRef,
+                                                            CLIENT_CA_KEY),
+        clientCAConfigMap=None if config_map is None else _key_ref(config_map, f"{where}.clientCAConfigMap",
+                                                                   ConfigMapKeyRef, CLIENT_CA_KEY),
+    )
 
 
 def _pull_secrets(raw: Any) -> tuple:

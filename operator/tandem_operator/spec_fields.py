@@ -1,10 +1,12 @@
 """Readers of a HybridModel spec's fields: each checks one field's type and bounds, fills in its
-default, and raises SpecError naming the field (tandem_operator.spec composes them).
+default, and raises SpecError naming the field (tandem_operator.spec composes them). Also the
+references to Secrets and ConfigMaps in the HybridModel's namespace that several fields hold.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kubernetes.utils import parse_quantity
@@ -14,6 +16,11 @@ class SpecError(ValueError):
     """The HybridModel spec is invalid; the message names the field and the rule."""
 
 
+# Kubernetes' rules for a Secret's or ConfigMap's name (a DNS-1123 subdomain) and for the keys of its data.
+_OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+# The keys of a kubernetes.io/tls Secret (cert-manager's Certificates write them).
+TLS_CERT_KEY, TLS_KEY_KEY = "tls.crt", "tls.key"
 # The CRD's quantity pattern, without negative or milli values that make no sense for memory.
 _QUANTITY = re.compile(
     r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[kMGTPE]|([eE](\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
@@ -96,3 +103,50 @@ def _quantity(raw: Mapping, key: str, where: str, default: str) -> str:
     except ValueError:
         raise SpecError(f"{where}.{key} must be a positive quantity such as 32Gi, got {value!r}") from None
     return value
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """A Secret in the HybridModel's namespace."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    """One key of a Secret in the HybridModel's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class ConfigMapKeyRef:
+    """One key of a ConfigMap in the HybridModel's namespace."""
+
+    name: str
+    key: str
+
+
+def _secret(raw: Any, where: str) -> SecretRef:
+    ref = _object(raw, where)
+    _known(ref, where, SecretRef)
+    return SecretRef(_object_name(ref, where, "Secret"))
+
+
+def _key_ref(raw: Any, where: str, kind: type[SecretKeyRef] | type[ConfigMapKeyRef], default_key: str | None = None):
+    """A SecretKeyRef or ConfigMapKeyRef: a name and a key, each as Kubernetes allows them."""
+    ref = _object(raw, where)
+    _known(ref, where, kind)
+    noun = "Secret" if kind is SecretKeyRef else "ConfigMap"
+    key = _string(ref, "key", where, default_key, 1)
+    if len(key) > 253 or not _KEY.match(key):
+        raise SpecError(f"{where}.key {key!r} must be a {noun}'s key: letters, digits, '-', '_' and '.'")
+    return kind(_object_name(ref, where, noun), key)
+
+
+def _object_name(ref: Mapping, where: str, noun: str) -> str:
+    name = _string(ref, "name", where, None, 1)
+    if len(name) > 253 or not _OBJECT_NAME.match(name):
+        raise SpecError(f"{where}.name {name!r} must be a {noun}'s name (a DNS subdomain)")
+    return name

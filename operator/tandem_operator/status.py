@@ -53,11 +53,13 @@ def merge_conditions(previous: Iterable[dict], updates: Iterable[dict], now: str
     return sorted(merged.values(), key=lambda c: (order.index(c["type"]) if c["type"] in order else 99, c["type"]))
 
 
-def compute_status(name: str, desired: int, deployment: dict | None, pods: list[dict]) -> tuple[dict, list[dict]]:
+def compute_status(name: str, desired: int, deployment: dict | None, pods: list[dict],
+                   mount_problem: tuple[str, str] | None = None) -> tuple[dict, list[dict]]:
     """The status fields and the Ready/Progressing/Degraded conditions for one HybridModel.
 
     `desired` is the spec's replica count; `deployment` is the server's Deployment (None when
-    missing); `pods` are the model's pods.
+    missing); `pods` are the model's pods; `mount_problem` is (reason, message) of something the
+    pods mount that is missing, known before any pod shows it.
     """
     dep_status = (deployment or {}).get("status") or {}
     replicas = int(dep_status.get("replicas") or 0)
@@ -65,7 +67,7 @@ def compute_status(name: str, desired: int, deployment: dict | None, pods: list[
     updated = int(dep_status.get("updatedReplicas") or 0)
     rolled_out = _deployment_observed(deployment) and updated >= desired and replicas == desired
 
-    problem = find_problem(deployment, pods)
+    problem = mount_problem or find_problem(deployment, pods)
     degraded = condition(DEGRADED, True, *problem) if problem else condition(DEGRADED, False, "AsExpected")
     if desired == 0:
         ready_cond = condition(READY, False, "ScaledToZero", "spec.replicas is 0")

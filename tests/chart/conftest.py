@@ -71,8 +71,15 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def load_example_documents(name: str) -> list[dict[str, Any]]:
+    """Every object in examples/`name`, in order."""
+    return [doc for doc in yaml.safe_load_all((EXAMPLES_DIR / name).read_text()) if doc]
+
+
 def load_example(name: str) -> dict[str, Any]:
-    return yaml.safe_load((EXAMPLES_DIR / name).read_text())
+    """The one HybridModel in examples/`name` (beside it there may be what it needs, e.g. a Certificate)."""
+    (model,) = [doc for doc in load_example_documents(name) if doc.get("kind") == "HybridModel"]
+    return model
 
 
 # Value sets that switch on every optional part of the chart, used by several test modules.

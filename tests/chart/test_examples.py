@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
-from conftest import CRD_SOURCE, EXAMPLES_DIR, load_example, load_hack
+from conftest import CRD_SOURCE, EXAMPLES_DIR, load_example, load_example_documents, load_hack
 
 crd_schema = load_hack("crd_schema")
 CRD = yaml.safe_load(CRD_SOURCE.read_text())
@@ -21,7 +21,38 @@ EXAMPLES = sorted(path.name for path in EXAMPLES_DIR.glob("*.yaml"))
 
 
 def test_the_examples_exist():
-    assert {"mixtral-8x7b.yaml", "deepseek-r1.yaml", "mixtral-8x7b-prometheus-tls.yaml"} <= set(EXAMPLES)
+    assert {"mixtral-8x7b.yaml", "deepseek-r1.yaml", "mixtral-8x7b-prometheus-tls.yaml",
+            "mixtral-8x7b-tls.yaml"} <= set(EXAMPLES)
+
+
+def test_the_tls_example_issues_the_certificate_its_service_needs():
+    spec_module = pytest.importorskip("tandem_operator.spec")
+    children = pytest.importorskip("tandem_operator.children")
+    (certificate,) = [doc for doc in load_example_documents("mixtral-8x7b-tls.yaml") if doc["kind"] == "Certificate"]
+    model = load_example("mixtral-8x7b-tls.yaml")
+    tls = spec_module.parse_spec(model["spec"]).tls
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    assert certificate["spec"]["secretName"] == tls.certSecret.name and tls.client_ca is None
+    assert "server auth" in certificate["spec"]["usages"]
+    # Every name a client in the cluster may use for the operator's Service, in the namespace the
+    # example is applied to (the README's `-n models`).
+    service = next(c for c in children.build_children(spec_module.parse_spec(model["spec"]),
+                                                      model["metadata"]["name"], "models") if c["kind"] == "Service")
+    name, namespace = service["metadata"]["name"], service["metadata"]["namespace"]
+    assert set(certificate["spec"]["dnsNames"]) == {name, f"{name}.{namespace}", f"{name}.{namespace}.svc",
+                                                    f"{name}.{namespace}.svc.cluster.local"}
+
+
+@pytest.mark.parametrize("tls", [{"clientCASecret": {"name": "mixtral-8x7b-tls"}},
+                                 {"clientCAConfigMap": {"name": "clients-ca", "key": "ca.crt"}}])
+def test_the_tls_examples_mutual_variants_are_valid(tls):
+    # The commented mutual TLS variants, uncommented one at a time.
+    example = copy.deepcopy(load_example("mixtral-8x7b-tls.yaml"))
+    example["spec"]["tls"].update(tls)
+    VALIDATOR.validate(example)
+    text = (EXAMPLES_DIR / "mixtral-8x7b-tls.yaml").read_text()
+    (source,) = tls
+    assert f"# {source}:\n    #   name: {tls[source]['name']}\n" in text
 
 
 def test_the_prometheus_example_names_its_secrets():
@@ -120,6 +151,12 @@ BAD_SPECS = {
     "more than 16 headers": ("spec.autoscaling.metrics.prometheus",
                              {"url": "https://p", "headers": {f"X-{i}": "v" for i in range(17)}}),
     "tolerations not a list": ("spec.placement.tolerations", {"key": "a"}),
+    "tls without certSecret": ("spec.tls", {"clientCASecret": {"name": "ca"}}),
+    "tls secret name not a DNS subdomain": ("spec.tls", {"certSecret": {"name": "Mixtral_TLS"}}),
+    "misspelled tls field": ("spec.tls", {"certSecret": {"name": "t"}, "clientCA": {"name": "ca"}}),
+    "tls secret with a key": ("spec.tls", {"certSecret": {"name": "t", "key": "tls.crt"}}),
+    "client ca key with a slash": ("spec.tls", {"certSecret": {"name": "t"},
+                                                "clientCAConfigMap": {"name": "ca", "key": "a/ca.crt"}}),
     "string boolean": ("spec.autoscaling.enabled", "yes"),
 }
 

@@ -8,7 +8,7 @@ from conftest import NON_DEFAULT_VALUES, by_kind, one, render_objects
 
 # (API group, resource, verb) the operator needs in each namespace it watches.
 # Read from operator/tandem_operator: kube.get/create/patch and list_labelled calls (on Secrets and
-# ConfigMaps only `get`: prometheus_access reads those a HybridModel names), the kopf handlers (on.event
+# ConfigMaps only `get`: prometheus_access and pod_secrets read those a HybridModel names), the kopf handlers (on.event
 # watches children and pods; kopf's annotations patch the model), kopf.warn/info (Events),
 # status_store (status subresource); `delete` on children because setting owner references asks
 # for it, and `update` on the owner's finalizers because their blockOwnerDeletion does (both by the

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import yaml
 
-from conftest import CHART_DIR, NAMESPACE, NON_DEFAULT_VALUES, RELEASE, load_example
+from conftest import CHART_DIR, NAMESPACE, NON_DEFAULT_VALUES, RELEASE, load_example, one, render_objects
 
 SCHEMA = json.loads((CHART_DIR / "values.schema.json").read_text())
 VALUES_TEXT = (CHART_DIR / "values.yaml").read_text()
@@ -95,6 +95,18 @@ def test_hybrid_model_spec_is_checked_against_the_crd(chart):
         bad = {**spec, "experts": {**spec["experts"], "gguf": path}}
         with pytest.raises(helm_python.HelmValuesError, match="gguf"):
             chart.validate_schema({"hybridModel": {"enabled": True, "spec": bad}})
+
+
+def test_hybrid_model_tls_passes_through_checked_against_the_crd(chart):
+    spec = load_example("mixtral-8x7b-tls.yaml")["spec"]
+    mutual = {**spec, "tls": {**spec["tls"], "clientCAConfigMap": {"name": "clients-ca"}}}
+    values = {"hybridModel": {"enabled": True, "name": "mixtral-8x7b", "spec": mutual}}
+    chart.validate_schema(values)
+    assert one(render_objects(chart, values), "HybridModel")["spec"]["tls"] == mutual["tls"]
+    for tls in ({}, {"certSecret": {"name": "Mixtral_TLS"}}, {"certSecret": {"name": "t"}, "clientCA": {"name": "c"}},
+                {"certSecret": {"name": "t"}, "clientCASecret": {"name": "c", "key": "a/b"}}):
+        with pytest.raises(helm_python.HelmValuesError, match="tls"):
+            chart.validate_schema({"hybridModel": {"enabled": True, "spec": {**spec, "tls": tls}}})
 
 
 def value_keys(text: str):

@@ -14,7 +14,8 @@ from tandem_operator import names
 from tandem_operator.placement import PREFERRED, REQUIRED
 from tandem_operator.prometheus_spec import PrometheusAuth, PrometheusTLS, SecretRef
 from tandem_operator.spec import (AttentionSpec, AutoscalingSpec, ExpertsSpec, KVCacheSpec, PlacementSpec,
-                                  SpecError, check_name, parse_spec)
+                                  SpecError, TLSSpec, check_name, parse_spec)
+from tandem_operator.spec_fields import ConfigMapKeyRef, SecretKeyRef
 
 def _prometheus(url: str = "https://prom:9090", **fields) -> dict:
     return {"autoscaling": {"metrics": {"source": "Prometheus", "prometheus": {"url": url, **fields}}}}
@@ -49,6 +50,14 @@ GOOD = {
     "fp8-kv-cache": {"kvCache": {"dtype": "fp8", "cpuTierGiB": 64}, "attention": {"memory": "96Gi"}},
     "gguf": {"experts": {"gguf": "DeepSeek-R1-GGUF/Q4_K_M/DeepSeek-R1-Q4_K_M-00001-of-00009.gguf"}},
     "gguf-at-the-root": {"experts": {"gguf": "m.gguf", "quantization": "none"}},
+    "tls": {"tls": {"certSecret": {"name": "mixtral-8x7b-tls"}}},
+    "mutual-tls-secret": {"tls": {"certSecret": {"name": "mixtral-8x7b-tls"},
+                                  "clientCASecret": {"name": "mixtral-8x7b-tls", "key": "ca.crt"}}},
+    "mutual-tls-config-map": {"tls": {"certSecret": {"name": "serving.tls"},
+                                      "clientCAConfigMap": {"name": "clients-ca-bundle", "key": "trust-bundle.pem"}}},
+    "api-key": {"apiKeySecret": {"name": "mixtral-8x7b-api-key"}},
+    "api-key-named-key-and-tls": {"apiKeySecret": {"name": "gateway.keys", "key": "TANDEM_API_KEY"},
+                                  "tls": {"certSecret": {"name": "mixtral-8x7b-tls"}}},
     # The Kubernetes docs' examples (Assigning Pods to Nodes; Taints and Tolerations).
     "placement": {"placement": {
         "nodeAffinity": {
@@ -107,6 +116,22 @@ BAD = {
     "bare-suffix-gguf": ({"experts": {"gguf": ".gguf"}}, "spec.experts.gguf"),
     "too-long-gguf": ({"experts": {"gguf": "a" * 1020 + ".gguf"}}, "spec.experts.gguf"),
     "number-gguf": ({"experts": {"gguf": 8}}, "spec.experts.gguf"),
+    "tls-without-cert-secret": ({"tls": {}}, "spec.tls.certSecret is required"),
+    "tls-only-a-client-ca": ({"tls": {"clientCASecret": {"name": "ca"}}}, "spec.tls.certSecret is required"),
+    "bad-tls-secret-name": ({"tls": {"certSecret": {"name": "Mixtral_TLS"}}},
+                            "spec.tls.certSecret.name 'Mixtral_TLS' must be a Secret's name"),
+    "bad-client-ca-secret-key": ({"tls": {"certSecret": {"name": "t"}, "clientCASecret": {"name": "ca", "key": "a/b"}}},
+                                 "spec.tls.clientCASecret.key 'a/b' must be a Secret's key"),
+    "bad-client-ca-config-map-name": ({"tls": {"certSecret": {"name": "t"}, "clientCAConfigMap": {"name": "-ca"}}},
+                                      "spec.tls.clientCAConfigMap.name '-ca' must be a ConfigMap's name"),
+    "client-ca-without-name": ({"tls": {"certSecret": {"name": "t"}, "clientCAConfigMap": {"key": "ca.crt"}}},
+                               "spec.tls.clientCAConfigMap.name is required"),
+    "api-key-without-name": ({"apiKeySecret": {"key": "api-key"}}, "spec.apiKeySecret.name is required"),
+    "bad-api-key-secret-name": ({"apiKeySecret": {"name": "Keys"}},
+                                "spec.apiKeySecret.name 'Keys' must be a Secret's name"),
+    "bad-api-key-key": ({"apiKeySecret": {"name": "keys", "key": "a b"}},
+                        "spec.apiKeySecret.key 'a b' must be a Secret's key"),
+    "api-key-as-a-string": ({"apiKeySecret": "keys"}, "spec.apiKeySecret"),
 }
 # Kubernetes types (placement, the model's volume) carry Kubernetes' schemas; parse_spec passes
 # them through to the pod template, so the schema alone checks them.
@@ -142,6 +167,9 @@ BAD_CEL = {
                        "spec.experts.gguf cannot be combined with spec.experts.quantization int8"),
     "gguf-with-int4": ({"experts": {"gguf": "m.gguf", "quantization": "int4"}},
                        "spec.experts.gguf cannot be combined with spec.experts.quantization int4"),
+    "client-ca-secret-and-config-map": ({"tls": {"certSecret": {"name": "t"}, "clientCASecret": {"name": "a"},
+                                                 "clientCAConfigMap": {"name": "b"}}},
+                                        "spec.tls takes at most one of clientCASecret and clientCAConfigMap"),
 }
 
 
@@ -195,7 +223,7 @@ def test_kubernetes_typed_fields_declare_their_fields():
 @pytest.mark.parametrize("name", BAD_CEL)
 def test_cross_field_rules_are_declared_and_enforced(name):
     rules = [r["rule"] for r in _walk_validations(crd_schema()["properties"]["spec"])]
-    assert len(rules) == 7
+    assert len(rules) == 8
     overrides, message = BAD_CEL[name]
     with pytest.raises(SpecError, match=message):
         parse_spec(body(overrides)["spec"])
@@ -263,6 +291,32 @@ def test_prometheus_rules_sit_on_the_objects_they_read():
         PrometheusTLS()
 
 
+def test_the_client_ca_rule_sits_on_the_tls_object():
+    # The JSON Schema check cannot see CEL: the rule must sit on `tls`, where both fields are.
+    tls = crd_schema()["properties"]["spec"]["properties"]["tls"]
+    (rule,) = tls["x-kubernetes-validations"]
+    assert rule["rule"] == "!has(self.clientCASecret) || !has(self.clientCAConfigMap)"
+    assert rule["message"] == "tls takes at most one of clientCASecret and clientCAConfigMap"
+    assert tls["required"] == ["certSecret"]
+    # What the rule lets through, parse_spec lets through too: either source alone, or none.
+    for source, ref in (("clientCASecret", SecretKeyRef("ca", "bundle.pem")),
+                        ("clientCAConfigMap", ConfigMapKeyRef("ca", "bundle.pem"))):
+        parsed = parse_spec(body({"tls": {"certSecret": {"name": "t"}, source: {"name": "ca", "key": "bundle.pem"}}})[
+            "spec"]).tls
+        assert parsed.client_ca == ref and getattr(parsed, source) == ref
+    assert parse_spec(body({"tls": {"certSecret": {"name": "t"}}})["spec"]).tls.client_ca is None
+
+
+def test_every_tls_field_is_described():
+    def undescribed(schema: dict, path: str):
+        if "description" not in schema:
+            yield path
+        for key, sub in (schema.get("properties") or {}).items():
+            yield from undescribed(sub, f"{path}.{key}")
+
+    assert list(undescribed(crd_schema()["properties"]["spec"]["properties"]["tls"], "spec.tls")) == []
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"auth": {"basicAuthSecret": {"name": "b", "key": "password"}}}, "auth.basicAuthSecret has unknown field"),
     ({"tls": {"insecureSkipVerfy": True}}, "tls has unknown field"),
@@ -272,6 +326,19 @@ def test_unknown_prometheus_fields_are_refused(fields, message):
     # The API server prunes them (kubectl's strict validation refuses them: tests/chart).
     with pytest.raises(SpecError, match=message):
         parse_spec(body(_prometheus(**fields))["spec"])
+
+
+@pytest.mark.parametrize("tls, message", [
+    ({"certSecret": {"name": "t", "key": "tls.crt"}}, "spec.tls.certSecret has unknown field"),
+    ({"certSecret": {"name": "t"}, "clientCA": {"name": "ca"}}, "spec.tls has unknown field"),
+    ({"certSecret": {"name": "t"}, "clientCASecret": {"name": "ca", "items": ["ca.crt"]}},
+     "spec.tls.clientCASecret has unknown field"),
+])
+def test_unknown_tls_fields_are_refused(tls, message):
+    # The API server prunes them (kubectl's strict validation refuses them): a misspelled clientCA
+    # would otherwise serve without asking for client certificates.
+    with pytest.raises(SpecError, match=message):
+        parse_spec(body({"tls": tls})["spec"])
 
 
 def test_prometheus_headers_may_not_carry_credentials():
@@ -321,6 +388,19 @@ def test_crd_defaults_equal_the_operators():
     assert defaulted["autoscaling"]["metrics"]["prometheus"]["auth"] == {"serviceAccountToken": False}
     parsed = parse_spec(defaulted).autoscaling.metrics.prometheus
     assert (parsed.tls, parsed.auth, parsed.headers) == (PrometheusTLS(), PrometheusAuth(), {})
+    # No TLS unless asked for; a client CA's key defaults to ca.crt, where cert-manager writes it.
+    assert "default" not in schema["properties"]["tls"] and parse_spec(minimal).tls is None
+    for source, kind in (("clientCASecret", SecretKeyRef), ("clientCAConfigMap", ConfigMapKeyRef)):
+        tls = {"certSecret": {"name": "t"}, source: {"name": "ca"}}
+        defaulted = _apply_defaults(schema, copy.deepcopy({**minimal, "tls": tls}))
+        assert defaulted["tls"][source] == {"name": "ca", "key": "ca.crt"}
+        assert parse_spec(defaulted).tls == parse_spec({**minimal, "tls": tls}).tls == TLSSpec(
+            SecretRef("t"), **{source: kind("ca", "ca.crt")})
+    # No API key unless asked for; its key defaults to api-key.
+    assert "default" not in schema["properties"]["apiKeySecret"] and parse_spec(minimal).apiKeySecret is None
+    defaulted = _apply_defaults(schema, copy.deepcopy({**minimal, "apiKeySecret": {"name": "k"}}))
+    assert defaulted["apiKeySecret"] == {"name": "k", "key": "api-key"}
+    assert parse_spec(defaulted).apiKeySecret == parse_spec({**minimal, "apiKeySecret": {"name": "k"}}).apiKeySecret
 
 
 def _apply_defaults(schema: dict, value):

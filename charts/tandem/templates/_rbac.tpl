@@ -59,12 +59,13 @@ What the operator does to HybridModels and their children, in the namespaces it 
   resources: ["pods"]
   verbs: ["list", "watch"]
 # The CA and credentials of a Prometheus the autoscaler queries (metrics.prometheus.tls and .auth),
-# read one by name at each step: never listed or watched, so no Secret is read unless a
-# HybridModel names it.
+# read one by name at each step, and the certificate and client CA of spec.tls and the key of
+# spec.apiKeySecret, checked by name at each reconcile before the pods take them: never listed or
+# watched, so no Secret is read unless a HybridModel names it.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
-# A Prometheus' CA bundle (metrics.prometheus.tls.caConfigMap), read the same way.
+# A CA bundle (metrics.prometheus.tls.caConfigMap, spec.tls.clientCAConfigMap), read the same way.
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get"]
