@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from tandem import contract
@@ -142,7 +143,7 @@ def run_serve(args) -> int:
 
     from tandem.cli import UsageError, checked_context
     from tandem.rpc.loading import engine_config
-    from tandem.rpc.server import serve
+    from tandem.rpc.server import serve, still_loading
 
     try:
         opts = options_from_args(args)
@@ -154,5 +155,14 @@ def run_serve(args) -> int:
         raise UsageError("--device cuda: no CUDA device is available to this process")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(opts))
+    status = asyncio.run(serve(opts))
+    if still_loading():
+        # Stopped while the model loads: the load's thread may be inside torch's intra-op thread pool, whose
+        # teardown at the interpreter's exit then aborts the process (std::terminate, exit 134 for a clean
+        # SIGTERM). Everything of the server's is closed by now: leave without that teardown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 

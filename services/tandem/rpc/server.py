@@ -249,6 +249,14 @@ def _status(serving: bool):
     return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+LOAD_THREAD = "load-model"
+
+
+def still_loading() -> bool:
+    """Whether a model load is still running (on its daemon thread): serve() returned while loading."""
+    return any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 def _load_in_thread(fn) -> concurrent.futures.Future:
     # A daemon thread, not asyncio.to_thread: SIGTERM during a long load must not wait for it.
     done: concurrent.futures.Future = concurrent.futures.Future()
@@ -259,7 +267,7 @@ def _load_in_thread(fn) -> concurrent.futures.Future:
         except BaseException as exc:  # noqa: BLE001 - reported by serve()
             done.set_exception(exc)
 
-    threading.Thread(target=run, name="load-model", daemon=True).start()
+    threading.Thread(target=run, name=LOAD_THREAD, daemon=True).start()
     return done
 
 
