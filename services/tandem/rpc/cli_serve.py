@@ -115,7 +115,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def options_from_args(args):
     """ServeOptions from parsed flags; ValueError names the bad flag."""
     from tandem.rpc.auth import server_keys
-    from tandem.rpc.server import ServeOptions
+    from tandem.rpc.serve_options import ServeOptions
 
     metrics_port = args.metrics_port
     if metrics_port is None:
