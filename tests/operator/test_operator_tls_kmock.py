@@ -48,17 +48,23 @@ async def test_a_missing_secret_is_named_and_the_deployment_applied_all_the_same
     assert (await cluster.get(model_path("secure")))["status"]["phase"] == "Degraded"
 
 
-async def test_the_resync_names_what_is_missing_until_it_is_fixed(cluster, monkeypatch):
-    # The operator may not watch Secrets: the periodic resync (the job tandem_operator.periodic runs)
-    # is what reads them again. Called here round by round, without kopf.
-    body = hybrid_model("fixed", tls={"certSecret": {"name": "fixed-tls"}})
+async def resyncing(cluster, monkeypatch, body: dict):
+    """Creates the model; returns a coroutine function running one periodic resync, then giving Degraded."""
     await cluster.create_model(body)
     await asyncio.to_thread(configure_client)
     monkeypatch.setattr(kopf, "warn", lambda obj, reason, message: None)
 
     async def resync() -> dict:
         await asyncio.to_thread(handlers.resync, body, None, LOG)
-        return condition(await cluster.get(model_path("fixed")), "Degraded")
+        return condition(await cluster.get(model_path(body["metadata"]["name"])), "Degraded")
+
+    return resync
+
+
+async def test_the_resync_names_what_is_missing_until_it_is_fixed(cluster, monkeypatch):
+    # The operator may not watch Secrets: the periodic resync (the job tandem_operator.periodic runs)
+    # is what reads them again. Called here round by round, without kopf.
+    resync = await resyncing(cluster, monkeypatch, hybrid_model("fixed", tls={"certSecret": {"name": "fixed-tls"}}))
 
     assert (await resync())["message"].startswith(f"spec.tls.certSecret: Secret {NS}/fixed-tls not found")
     await cluster.create(core_path("secrets"), tls_secret("fixed-tls", {"tls.crt": CERT}))
@@ -119,14 +125,8 @@ async def test_turning_tls_on_and_off_rolls_the_pods_and_updates_the_service(clu
 
 async def test_the_api_key_secret_is_named_until_it_is_there(cluster, monkeypatch):
     # spec.apiKeySecret: the same check as spec.tls's, its own reason; the key reaches the pods by env only.
-    body = hybrid_model("keyed", apiKeySecret={"name": "keyed-keys", "key": "token"})
-    await cluster.create_model(body)
-    await asyncio.to_thread(configure_client)
-    monkeypatch.setattr(kopf, "warn", lambda obj, reason, message: None)
-
-    async def resync() -> dict:
-        await asyncio.to_thread(handlers.resync, body, None, LOG)
-        return condition(await cluster.get(model_path("keyed")), "Degraded")
+    resync = await resyncing(cluster, monkeypatch,
+                             hybrid_model("keyed", apiKeySecret={"name": "keyed-keys", "key": "token"}))
 
     missing = await resync()
     assert (missing["status"], missing["reason"]) == ("True", "APIKeySecretInvalid")
