@@ -108,6 +108,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"flag); repeat it to accept several (an old and a new key while clients move over). "
                         f"{contract.API_KEY_ENV}, if set, is one more (a key out of the process's arguments). "
                         f"Health and reflection stay open")
+    conn = p.add_argument_group("connections", "the Inference API's connections (--role all, attention)")
+    conn.add_argument("--max-connection-age", type=float, default=300.0, metavar="SECONDS",
+                      help="after this long (+-10%%) a connection gets GOAWAY and its client opens a new one for its "
+                           "next calls, through a Kubernetes Service to any replica, so that replicas added take "
+                           "a share of the clients; calls in flight finish on the old one. 0: never (default 300)")
+    conn.add_argument("--keepalive-time", type=float, default=20.0, metavar="SECONDS",
+                      help="ping each connection this often, to find clients gone without closing it (their calls "
+                           "cancelled, their KV blocks freed). 0: never (default 20)")
+    conn.add_argument("--keepalive-timeout", type=float, default=10.0, metavar="SECONDS",
+                      help="close the connection when a ping is not answered within this (default 10)")
     p.set_defaults(func=run_serve)
     return p
 
@@ -134,7 +144,9 @@ def options_from_args(args):
         spin_us=args.spin_us, enforce_eager=args.enforce_eager, page_lock_experts=args.page_lock_experts,
         num_scheduler_steps=args.num_scheduler_steps, scheduling_policy=args.scheduling_policy,
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
-        health_listen=args.health_listen, api_keys=server_keys(args.api_key))
+        health_listen=args.health_listen, api_keys=server_keys(args.api_key),
+        max_connection_age_s=args.max_connection_age, keepalive_time_s=args.keepalive_time,
+        keepalive_timeout_s=args.keepalive_timeout)
 
 
 def run_serve(args) -> int:

@@ -29,6 +29,14 @@ ENGINE_ONLY_FLAGS = {
     "kv_cache_dtype": contract.SERVE_FLAGS["kv_cache_dtype"],
     "scheduling_policy": contract.SERVE_FLAGS["scheduling_policy"],
 }
+# The Inference API's connection lifetime (tandem.rpc.server.connection_options), by ServeOptions field; the
+# last has no flag. Not --role experts': its one peer, the attention process of its pod, dials a Unix socket.
+CONNECTION_FLAGS = {
+    "max_connection_age_s": "--max-connection-age", "keepalive_time_s": "--keepalive-time",
+    "keepalive_timeout_s": "--keepalive-timeout", "min_client_ping_interval_s": "min_client_ping_interval_s",
+}
+# gRPC takes these in milliseconds, in a C int: about 24.8 days at most
+MAX_CONNECTION_SECONDS = (2**31 - 1) // 1000
 
 
 @dataclass
@@ -71,6 +79,13 @@ class ServeOptions:
     ssl_ca_certs: str | None = None  # mutual TLS: clients present a certificate these CAs signed
     health_listen: str | None = None  # a second, plaintext listener serving only grpc.health.v1
     api_keys: tuple[str, ...] = ()  # calls of the Inference API must carry one (tandem.rpc.auth); () for none
+    # Connections of the Inference API, in seconds (fractions too): see tandem.rpc.server.connection_options.
+    max_connection_age_s: float = 300.0  # then GOAWAY: new calls on a new connection; 0: never
+    keepalive_time_s: float = 20.0  # ping each connection this often; 0: never
+    keepalive_timeout_s: float = 10.0  # and close it (cancelling its calls) when a ping is not answered in this
+    # a client's keepalive may ping this often without GOAWAY; README tells clients 10 s, so that a ping
+    # brought forward by network jitter is no strike (three, and the server sends GOAWAY)
+    min_client_ping_interval_s: float = 5.0
 
     def __post_init__(self):
         if self.role not in contract.ROLES:
@@ -124,6 +139,7 @@ class ServeOptions:
             raise ValueError(f"--spin-us must be in 0..1000000, got {self.spin_us}")
         self._check_spin()
         self._check_listeners()
+        self._check_connections()
         check_keys(self.api_keys)
         if self.api_keys and self.role == "experts":  # its peer, the attention process, sends none
             raise ValueError("--api-key is for the Inference API (--role all or attention), not --role experts")
@@ -159,6 +175,20 @@ class ServeOptions:
             raise ValueError(f"{contract.SERVE_FLAGS['ssl_certfile']} is for the Inference API (--role all or "
                              f"attention), not --role experts")
         files.load()  # a file that cannot serve is a bad flag, found before anything starts
+
+    def _check_connections(self) -> None:
+        """The connection lifetime's durations; --role experts takes their defaults and uses none of them."""
+        for name, flag in CONNECTION_FLAGS.items():
+            seconds = getattr(self, name)
+            if not 0 <= seconds <= MAX_CONNECTION_SECONDS:  # NaN fails too
+                raise ValueError(f"{flag} must be a number of seconds in 0..{MAX_CONNECTION_SECONDS}, got {seconds}")
+        if self.keepalive_timeout_s == 0:
+            raise ValueError("--keepalive-timeout must be a number of seconds > 0, got 0")
+        if self.role == "experts":
+            defaults = {f.name: f.default for f in fields(self)}
+            for name, flag in CONNECTION_FLAGS.items():
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(f"{flag} is for the Inference API (--role all or attention), not --role experts")
 
     @property
     def tls_files(self) -> TlsFiles | None:

@@ -44,6 +44,44 @@ SERVER_OPTIONS = (
 # text. A larger request is refused (RESOURCE_EXHAUSTED) before it is read.
 REQUEST_LIMIT = 16 << 20
 INFERENCE_OPTIONS = (("grpc.max_receive_message_length", REQUEST_LIMIT), *EXCLUSIVE_PORT)
+NEVER_MS = 2**31 - 1  # gRPC's "never" for a keepalive time (a C int of milliseconds)
+
+
+def server_options(opts: ServeOptions) -> tuple:
+    """--listen's gRPC server's options. The experts role's one peer, its pod's attention process on a Unix
+    socket, needs no connection lifetime: a new connection would reach the same process, and the kernel
+    closes the socket of a process that dies, with no ping."""
+    return SERVER_OPTIONS if opts.role == "experts" else INFERENCE_OPTIONS + connection_options(opts)
+
+
+def connection_options(opts: ServeOptions) -> tuple:
+    """How long the Inference API's connections live (README "Connections").
+
+    A connection older than --max-connection-age gets GOAWAY (gRPC adds +-10% jitter): its client
+    opens a new one for its next calls, through the Service to any replica, so replicas the
+    autoscaler adds take a share of the clients already connected. Its calls in flight finish on the
+    old one: no grpc.max_connection_age_grace_ms, so a long generation is never cut.
+
+    Keepalive pings close a connection whose client vanished without closing it (its node gone, a
+    network partition), cancelling its calls: their KV blocks return within keepalive time plus
+    timeout, not when TCP gives up. A client's own keepalive may ping every min_client_ping_interval_s,
+    with calls in flight or without, and is not answered GOAWAY too_many_pings."""
+    age = (("grpc.max_connection_age_ms", _ms(opts.max_connection_age_s)),) if opts.max_connection_age_s else ()
+    return age + (
+        ("grpc.keepalive_time_ms", _ms(opts.keepalive_time_s) if opts.keepalive_time_s else NEVER_MS),
+        ("grpc.keepalive_timeout_ms", _ms(opts.keepalive_timeout_s)),
+        # What grpcio 1.85 waits for a ping's ack: a minute unless set, whatever keepalive_timeout_ms says (an
+        # arg of chttp2's internal.h, not of the public headers: check it when upgrading grpcio; the tests do)
+        ("grpc.http2.ping_timeout_ms", _ms(opts.keepalive_timeout_s)),
+        # A client's keepalive on an idle connection (a pool's) is no abuse: otherwise gRPC allows one ping
+        # per two hours without calls. It lets the server ping idle connections too, finding dead ones.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", _ms(opts.min_client_ping_interval_s)),
+    )
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000)) if seconds else 0
 
 
 class Health:
@@ -112,8 +150,7 @@ async def serve(opts: ServeOptions, stop: asyncio.Event | None = None,
     loop = asyncio.get_running_loop()
     metrics = ExpertsMetrics() if opts.role == "experts" else ServingMetrics()
     interceptors = [ApiKeyInterceptor(opts.api_keys, opts.service)] if opts.api_keys else []
-    server = grpc.aio.server(options=SERVER_OPTIONS if opts.role == "experts" else INFERENCE_OPTIONS,
-                             interceptors=interceptors)
+    server = grpc.aio.server(options=server_options(opts), interceptors=interceptors)
     health_state = Health(server, opts.service)
     if opts.role == "experts":
         servicer = experts_server.ExpertsServicer(metrics)
