@@ -45,6 +45,15 @@ def test_defaults_follow_the_contract(tmp_path):
     assert parse("--model", str(tmp_path), "--metrics-host", "127.0.0.1").metrics_host == "127.0.0.1"
 
 
+def test_prefix_caching_is_on_unless_asked_not_to(tmp_path):
+    from tandem.rpc.loading import engine_config
+
+    assert engine_config(parse("--model", str(tmp_path))).enable_prefix_caching is True
+    assert engine_config(parse("--model", str(tmp_path), "--enable-prefix-caching")).enable_prefix_caching is True
+    off = parse("--model", str(tmp_path), "--no-enable-prefix-caching")
+    assert off.enable_prefix_caching is False and engine_config(off).enable_prefix_caching is False
+
+
 def test_experts_are_page_locked_unless_asked_not_to(tmp_path):
     # CUDA prefill copies the experts from page-locked host memory (tandem.experts.device_prefill)
     from tandem.rpc.loading import engine_config
@@ -182,6 +191,7 @@ def test_experts_shm_is_for_the_experts_role(tmp_path, capsys):
     (["--num-device-blocks", "8"], "--num-device-blocks is for the engine"),
     # the experts process reads the CPU tier's dtype and scales from the layout the attention process publishes
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype is for the engine"),
+    (["--no-enable-prefix-caching"], "--no-enable-prefix-caching is for the engine"),
     (["--spin-us", "20000", "--listen", "127.0.0.1:9000"],
      "--spin-us polls the data plane, which needs a Unix socket: --role experts with --listen 127.0.0.1:9000"),
 ])

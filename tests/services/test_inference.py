@@ -398,6 +398,16 @@ async def test_prefix_cache_hits_are_reported_and_counted(start_server, model_di
     assert scrape(server.metrics_port)[(contract.PREFIX_CACHED_TOKENS + "_total", ())] == 32
 
 
+async def test_no_enable_prefix_caching_computes_every_prompt_in_full(start_server, model_dir):
+    server = await start_server(model=str(model_dir("mixtral")), metrics_port=0, enable_prefix_caching=False)
+    prompt = list(range(10, 50))
+    first = await generate(server.address, greedy(prompt, max_tokens=2))
+    again = await generate(server.address, greedy(prompt, max_tokens=2))
+    assert first[-1].usage.cached_tokens == again[-1].usage.cached_tokens == 0
+    assert token_ids(again) == token_ids(first)
+    assert scrape(server.metrics_port)[(contract.PREFIX_CACHED_TOKENS + "_total", ())] == 0
+
+
 async def test_ports_that_cannot_be_bound_are_refused_naming_the_flag(start_server, model_dir):
     model = str(model_dir("mixtral"))
     first = await start_server(model=model, metrics_port=0, wait_serving=False)

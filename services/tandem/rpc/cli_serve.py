@@ -79,6 +79,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "priority (GenerateRequest.priority, lower first), then arrival: waiting requests are "
                         "admitted and preempted ones resumed in that order, and the lowest-priority running "
                         "request is preempted when blocks run out (vLLM's policy)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV blocks of a prompt's full blocks with later requests that start with the "
+                        "same tokens (vLLM's flag; on by default): --no-enable-prefix-caching computes every "
+                        "prompt in full, e.g. to measure prefill")
     p.add_argument("--max-model-len", type=int,
                    help="longest prompt plus generation (default: the model's context, at most 8192)")
     p.add_argument("--max-waiting", type=int, default=1024,
@@ -143,6 +147,7 @@ def options_from_args(args):
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace, expert_timeout_s=args.expert_timeout,
         spin_us=args.spin_us, enforce_eager=args.enforce_eager, page_lock_experts=args.page_lock_experts,
         num_scheduler_steps=args.num_scheduler_steps, scheduling_policy=args.scheduling_policy,
+        enable_prefix_caching=args.enable_prefix_caching,
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
         health_listen=args.health_listen, api_keys=server_keys(args.api_key),
         max_connection_age_s=args.max_connection_age, keepalive_time_s=args.keepalive_time,

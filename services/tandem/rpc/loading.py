@@ -58,6 +58,7 @@ def engine_config(opts) -> EngineConfig:
         "num_device_blocks": opts.num_device_blocks, "cpu_decode": opts.cpu_decode,
         "enforce_eager": opts.enforce_eager, "num_scheduler_steps": opts.num_scheduler_steps,
         "page_lock_experts": opts.page_lock_experts, "scheduling_policy": opts.scheduling_policy,
+        "enable_prefix_caching": opts.enable_prefix_caching,
     }
     return EngineConfig(**{k: v for k, v in values.items() if k in names and v is not None})
 

@@ -28,6 +28,7 @@ ENGINE_ONLY_FLAGS = {
     "num_scheduler_steps": contract.SERVE_FLAGS["num_scheduler_steps"],
     "kv_cache_dtype": contract.SERVE_FLAGS["kv_cache_dtype"],
     "scheduling_policy": contract.SERVE_FLAGS["scheduling_policy"],
+    "enable_prefix_caching": "--no-enable-prefix-caching",
 }
 # The Inference API's connection lifetime (tandem.rpc.server.connection_options), by ServeOptions field; the
 # last has no flag. Not --role experts': its one peer, the attention process of its pod, dials a Unix socket.
@@ -74,6 +75,7 @@ class ServeOptions:
     page_lock_experts: bool = True  # CUDA: the experts' host memory page-locked for prefill copies
     num_scheduler_steps: int = 1  # decode tokens per engine step while only decodes run
     scheduling_policy: str = "fcfs"  # or "priority": GenerateRequest.priority orders the queues
+    enable_prefix_caching: bool = True  # a prompt's full blocks shared with later requests that start alike
     ssl_certfile: str | None = None  # TLS on --listen: the certificate chain
     ssl_keyfile: str | None = None  # and its key
     ssl_ca_certs: str | None = None  # mutual TLS: clients present a certificate these CAs signed
