@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--priority", type=int, default=0,
                      help="with --server: the request's priority under the server's priority scheduling policy, "
                           "lower first (default 0)")
+    gen.add_argument("--cache-salt", metavar="SALT",
+                     help="with --server: share prefix-cached KV only with requests of the same salt (vLLM's "
+                          "cache_salt), e.g. one per tenant")
     gen.add_argument("--n", type=int, default=1,
                      help="completions to generate, each sampled on its own (completion i with seed + i), printed "
                           "one by one labelled by index; with --json, one object a line (default 1)")
@@ -340,6 +343,8 @@ def cmd_generate(args) -> int:
     given = flags_given(args, args.server_flags)
     if given:
         raise UsageError(f"{', '.join(given)}: for --server, a connection to a server")
+    if args.cache_salt is not None:
+        raise UsageError("--cache-salt: for --server, whose prefix cache other requests share")
     if args.priority:
         raise UsageError("--priority: for --server, whose scheduler orders requests by it; one request here has "
                          "nothing to wait for")

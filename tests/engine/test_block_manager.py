@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
@@ -111,6 +111,24 @@ def test_hashes_chain_so_an_equal_block_after_a_different_prefix_misses():
     bm = KVBlockManager(16, 0, BS)
     prefill(bm, Seq("a", [1, 1, 1, 1, 2, 2, 2, 2, 0]))
     assert bm.get_computed_blocks(Seq("b", [3, 3, 3, 3, 2, 2, 2, 2, 0]))[1] == 0
+
+
+@dataclass
+class SaltedSeq(Seq):
+    cache_salt: str | None = None
+
+
+def test_a_salt_shares_blocks_only_among_sequences_with_the_same_salt():
+    bm = KVBlockManager(32, 0, BS)
+    prompt = tokens(9)  # two full blocks
+    assert prefill(bm, SaltedSeq("a", prompt, cache_salt="tenant-a")) == 0
+    assert bm.get_computed_blocks(SaltedSeq("a2", prompt, cache_salt="tenant-a"))[1] == 8
+    assert bm.get_computed_blocks(SaltedSeq("b", prompt, cache_salt="tenant-b"))[1] == 0
+    assert bm.get_computed_blocks(Seq("none", prompt))[1] == 0
+    # Nor the other way: an unsalted prefix is no salted sequence's.
+    assert prefill(bm, Seq("plain", prompt)) == 0
+    assert bm.get_computed_blocks(Seq("plain2", prompt))[1] == 8
+    assert bm.get_computed_blocks(SaltedSeq("c", prompt, cache_salt="tenant-c"))[1] == 0
 
 
 def test_freed_blocks_stay_cached_until_reused_in_lru_order():

@@ -398,6 +398,26 @@ async def test_prefix_cache_hits_are_reported_and_counted(start_server, model_di
     assert scrape(server.metrics_port)[(contract.PREFIX_CACHED_TOKENS + "_total", ())] == 32
 
 
+async def test_a_cache_salt_shares_the_prefix_cache_only_with_its_own(start_server, model_dir):
+    server = await start_server(model=str(model_dir("mixtral")))
+    prompt = list(range(10, 50))  # two full blocks
+
+    async def cached(salt: str | None) -> int:
+        request = greedy(prompt, max_tokens=2)
+        if salt is not None:
+            request.cache_salt = salt
+        return (await generate(server.address, request))[-1].usage.cached_tokens
+
+    assert await cached("tenant-a") == 0
+    assert await cached("tenant-b") == 0  # the same prompt under another salt
+    assert await cached(None) == 0  # nor unsalted
+    assert await cached("tenant-a") == 32
+    assert await cached(None) == 32
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await cached("")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in info.value.details()
+
+
 async def test_no_enable_prefix_caching_computes_every_prompt_in_full(start_server, model_dir):
     server = await start_server(model=str(model_dir("mixtral")), metrics_port=0, enable_prefix_caching=False)
     prompt = list(range(10, 50))

@@ -91,6 +91,25 @@ async def test_a_priority_needs_the_priority_policy(start_server, model_dir, cap
     assert "--priority: for --server" in capsys.readouterr().err
 
 
+async def test_generate_sends_the_cache_salt_and_refuses_it_locally(start_server, model_dir, capsys):
+    from tandem.cli import main
+
+    server = await start_server(model=str(model_dir("mixtral")))
+    argv = ["generate", "--server", server.address, "--prompt-ids", ",".join(map(str, range(10, 50))),
+            "--max-tokens", "1", "--json"]
+
+    async def cached(*salt: str) -> int:
+        assert await asyncio.to_thread(main, [*argv, *salt]) == 0
+        return json.loads(capsys.readouterr().out)["usage"]["cached_tokens"]
+
+    assert await cached("--cache-salt", "a") == 0
+    assert await cached() == 0  # the salted blocks are not the unsalted prompt's
+    assert await cached("--cache-salt", "a") == 32
+    assert await asyncio.to_thread(main, ["generate", "--model", str(model_dir("mixtral")), "--prompt", TEXT,
+                                          "--cache-salt", "a"]) == 2
+    assert "--cache-salt: for --server" in capsys.readouterr().err
+
+
 async def test_waiting_requests_run_by_priority(start_server, model_dir):
     # One seat: while a long request decodes, three more queue; they run by priority, lowest first,
     # not in the order they arrived.

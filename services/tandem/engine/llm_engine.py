@@ -168,11 +168,12 @@ class LLMEngine:
         return self._grammars.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    constraint: Constraint | None = None, priority: int = 0) -> None:
+                    constraint: Constraint | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
         """Queue a request: its SamplingParams.n completions, a sequence each, on one prompt prefilled
         once (see tandem.engine.scheduler). `constraint`: its structured output compiled already
         (compile_constraint), completion 0's matcher, the others' a copy each; None: compiled here.
         `priority`: lower first, under the priority scheduling policy (EngineConfig.scheduling_policy).
+        `cache_salt`: the prefix cache shares its blocks only with requests of the same salt (vLLM's).
         Raises InvalidRequest for bad input, QueueFull when the waiting queue is full."""
         prompt_token_ids = self._truncated(prompt_token_ids, params.truncate_prompt_tokens)
         self._validate(request_id, prompt_token_ids, params)
@@ -180,7 +181,8 @@ class LLMEngine:
             constraint = self.compile_constraint(params)
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, self.model_config.vocab_size) \
             if params.bad_words else None
-        request = self.requests.create(request_id, prompt_token_ids, params, constraint, bad_words, priority)
+        request = self.requests.create(request_id, prompt_token_ids, params, constraint, bad_words, priority,
+                                       cache_salt)
         first, *others = request.seqs
         self.scheduler.add(first, others)  # whatever raises before it leaves nothing queued
         self.requests.add(request)

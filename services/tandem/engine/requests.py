@@ -131,23 +131,25 @@ class Requests(Mapping[str, Request]):
         return len(self._requests)
 
     def create(self, request_id: str, prompt: list[int], params: SamplingParams, constraint: Constraint | None,
-               bad_words: list[list[int]] | None, priority: int = 0) -> Request:
+               bad_words: list[list[int]] | None, priority: int = 0, cache_salt: str | None = None) -> Request:
         """A request's SamplingParams.n completions, not tracked until `add`. `constraint`, the
         request's structured output compiled (at its start), is completion 0's; the others get copies."""
         constraints = [constraint] * params.n
         if constraint is not None:
             constraints[1:] = [replace(constraint, matcher=constraint.matcher.deep_copy()) for _ in constraints[1:]]
         return Request(request_id, [self._completion(request_id, i, prompt, params, constraints[i], bad_words,
-                                                     priority) for i in range(params.n)])
+                                                     priority, cache_salt) for i in range(params.n)])
 
     def _completion(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
-                    constraint: Constraint | None, bad_words: list[list[int]] | None, priority: int) -> CompletionState:
+                    constraint: Constraint | None, bad_words: list[list[int]] | None, priority: int,
+                    cache_salt: str | None) -> CompletionState:
         """Completion `index` of a request: its sequence, its generator (seeded with seed + index)
         and its detokenizer."""
         if index > 0:  # the prompt is scored once, by completion 0
             params = replace(params, prompt_logprobs=None)
         seq = Sequence(sequence_id(request_id, index, params.n), list(prompt), params,
-                       constraint=constraint, bad_words_token_ids=bad_words, priority=priority)
+                       constraint=constraint, bad_words_token_ids=bad_words, priority=priority,
+                       cache_salt=cache_salt)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(completion_seed(params.seed, index))

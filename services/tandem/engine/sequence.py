@@ -39,6 +39,7 @@ class Sequence:
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrivals))
     priority: int = 0
+    cache_salt: str | None = None  # the prefix cache shares blocks only among sequences with the same salt
     first_scheduled: float | None = None  # time.perf_counter() when first admitted to the batch
     # With params.logprobs set, the model runner appends each sampled token's (TokenLogprobs) as it is
     # sampled, before the scheduler appends the token: entry i is output token i's. Entries past the
@@ -67,6 +68,8 @@ class Sequence:
             raise InvalidRequest("params", f"must be SamplingParams, got {type(self.params).__name__}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise InvalidRequest("priority", f"must be an integer, got {self.priority!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequest("cache_salt", "must be a non-empty string when given")
         if self.logprobs is None and self.params.logprobs is not None:
             self.logprobs = []
         if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:

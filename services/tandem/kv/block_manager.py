@@ -6,7 +6,8 @@ of blocks is a normal answer (False / None), never an exception, and freeing a s
 restores every count exactly.
 
 A sequence is anything with `request_id` (hashable), `all_token_ids` and `num_computed_tokens`
-(`tandem.engine.sequence.Sequence`).
+(`tandem.engine.sequence.Sequence`), and optionally `cache_salt`: sequences share cached blocks only
+with sequences of the same salt (vLLM's cache_salt).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class KVBlockManager:
         tokens = seq.all_token_ids
         pool = self._pools[DEVICE]
         hits: list[Block] = []
-        for block_hash in self._chain(tokens, (len(tokens) - 1) // self.block_size):
+        for block_hash in self._chain(tokens, (len(tokens) - 1) // self.block_size, salt=_salt(seq)):
             block = pool.lookup(block_hash)
             if block is None:
                 break
@@ -134,7 +135,7 @@ class KVBlockManager:
         start = self._num_registered.get(rid, 0)
         if num_full <= start:
             return
-        hashes = list(self._chain(seq.all_token_ids, num_full, known=self._hashes.get(rid, [])))
+        hashes = list(self._chain(seq.all_token_ids, num_full, known=self._hashes.get(rid, []), salt=_salt(seq)))
         self._hashes[rid] = hashes
         pool = self._pools[DEVICE]
         for i in range(start, num_full):
@@ -190,10 +191,12 @@ class KVBlockManager:
             raise ValueError(f"unknown KV tier {tier!r}; expected one of {TIERS}")
         return self._pools[tier]
 
-    def _chain(self, tokens: Seq[int], num_blocks: int, known: Seq[int] = ()) -> Iterator[int]:
-        """Chained hashes of the first num_blocks full blocks of tokens (lazily), reusing `known`."""
+    def _chain(self, tokens: Seq[int], num_blocks: int, known: Seq[int] = (), salt: str | None = None) -> Iterator[int]:
+        """Chained hashes of the first num_blocks full blocks of tokens (lazily), reusing `known`. A salt is
+        the first block's parent: every block of a salted prefix hashes apart from the same tokens' unsalted
+        or otherwise salted ones."""
         bs = self.block_size
-        parent = None
+        parent = None if salt is None else hash_block(None, (), salt)
         for i in range(num_blocks):
             parent = known[i] if i < len(known) else hash_block(parent, tokens[i * bs:(i + 1) * bs])
             yield parent
@@ -209,3 +212,7 @@ class KVBlockManager:
         # Fresh device blocks are offered to the cache again once their data is back.
         self._num_registered[rid] = 0
         return [(o.block_id, n.block_id) for o, n in zip(old, new)]
+
+
+def _salt(seq: SequenceLike) -> str | None:
+    return getattr(seq, "cache_salt", None)

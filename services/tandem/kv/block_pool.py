@@ -22,9 +22,10 @@ class Block:
     block_hash: int | None = None
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained hash of one full block: the same prefix gives the same hash in every process."""
-    data = repr((parent_hash, tuple(token_ids))).encode()
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str | None = None) -> int:
+    """Chained hash of one full block: the same prefix gives the same hash in every process. With `salt`,
+    the root a salted chain starts from (tandem.kv.block_manager)."""
+    data = repr((parent_hash, tuple(token_ids)) if salt is None else ("salt", salt)).encode()
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 

@@ -37,6 +37,8 @@ def build_request(args) -> inference_pb2.GenerateRequest:
         else:
             setattr(sampling.structured_outputs, kind, value)
     request = inference_pb2.GenerateRequest(sampling=sampling, priority=args.priority)
+    if args.cache_salt is not None:
+        request.cache_salt = args.cache_salt
     if args.chat is not None:
         request.messages.extend(inference_pb2.ChatMessage(role=r, content=c) for r, c in parse_chat(args.chat))
     elif args.prompt_ids:

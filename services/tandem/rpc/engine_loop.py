@@ -108,11 +108,11 @@ class EngineLoop:
 
     async def submit(
         self, request_id: str, prompt: str | list[int] | Callable[[LLMEngine], list[int]], params: SamplingParams,
-        priority: int = 0,
+        priority: int = 0, cache_salt: str | None = None,
     ) -> asyncio.Queue:
         """Admits a request; returns the queue its RequestOutputs (or an exception) arrive on. The
         prompt is text, token ids, or a callable that makes the ids with the engine (a chat's template);
-        `priority` as LLMEngine.add_request's.
+        `priority` and `cache_salt` as LLMEngine.add_request's.
 
         Raises InvalidRequest, QueueFull or ServerUnavailable without admitting it.
         """
@@ -128,7 +128,8 @@ class EngineLoop:
             constraint = await asyncio.to_thread(self.engine.compile_constraint, params)
         stream = _Stream(asyncio.Queue(), loop, received, set(range(params.n)))
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._call(lambda: self._add(request_id, prompt, params, constraint, priority, stream, done), done)
+        self._call(lambda: self._add(request_id, prompt, params, constraint, priority, cache_salt, stream, done),
+                   done)
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:  # the caller is gone (deadline, disconnect): take the request out again
@@ -292,8 +293,8 @@ class EngineLoop:
         """Starts in the down state (the experts were unreachable at startup)."""
         self._call(lambda: self._set_down(True, exc))
 
-    def _add(self, request_id, prompt: list[int], params, constraint, priority: int, stream: _Stream,
-             done: concurrent.futures.Future) -> None:
+    def _add(self, request_id, prompt: list[int], params, constraint, priority: int, cache_salt: str | None,
+             stream: _Stream, done: concurrent.futures.Future) -> None:
         if not done.set_running_or_notify_cancel():
             return  # the caller is gone: nothing to admit
         try:
@@ -302,7 +303,7 @@ class EngineLoop:
             if self.experts_down:
                 raise ServerUnavailable("the experts process is unreachable; retry later")
             ids = list(prompt)
-            self.engine.add_request(request_id, ids, params, constraint, priority)
+            self.engine.add_request(request_id, ids, params, constraint, priority, cache_salt)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             done.set_exception(exc)
             return

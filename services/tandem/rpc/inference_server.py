@@ -149,7 +149,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             prompt = prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling)
             request_id = request.request_id or uuid.uuid4().hex
-            queue = await loop.submit(request_id, prompt, params, request.priority)
+            cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+            queue = await loop.submit(request_id, prompt, params, request.priority, cache_salt)
         except asyncio.CancelledError:  # gone before it was admitted (deadline, disconnect)
             self.metrics.record_outcome("cancelled")
             raise
