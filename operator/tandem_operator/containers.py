@@ -77,6 +77,7 @@ def build_attention_container(spec: HybridModelSpec) -> dict:
         *_unless_default("scheduling_policy", spec.attention.schedulingPolicy, "fcfs"),
         # the attention process writes the KV and publishes the CPU tier's dtype to the experts process
         *_unless_default("kv_cache_dtype", spec.kvCache.dtype, "auto"),
+        *([] if spec.kvCache.prefixCaching else [FLAGS["no_enable_prefix_caching"]]),
         *_tls_args(spec),
     ]
     resources = {"cpu": str(spec.attention.cpus), "memory": spec.attention.memory,

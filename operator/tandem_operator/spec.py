@@ -80,6 +80,7 @@ class KVCacheSpec:
     cpuTierGiB: int = 8
     cpuDecode: bool = True
     dtype: str = "auto"  # the cache's dtype in both tiers: auto (the model's) or fp8 (e4m3: twice the tokens)
+    prefixCaching: bool = True  # false: --no-enable-prefix-caching
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,7 @@ def _kv_cache(raw: Mapping) -> KVCacheSpec:
         cpuTierGiB=_int(raw, "cpuTierGiB", "spec.kvCache", 8, minimum=0),
         cpuDecode=_bool(raw, "cpuDecode", "spec.kvCache", True),
         dtype=_choice(raw, "dtype", "spec.kvCache", "auto", KV_CACHE_DTYPES),
+        prefixCaching=_bool(raw, "prefixCaching", "spec.kvCache", True),
     )
 
 

@@ -95,6 +95,8 @@ SERVE_FLAGS = {
     # vLLM's flag: fcfs or priority (GenerateRequest.priority); rendered only when spec.attention.schedulingPolicy
     # is priority
     "scheduling_policy": "--scheduling-policy",
+    # a boolean flag, rendered only when spec.kvCache.prefixCaching is false (on by default)
+    "no_enable_prefix_caching": "--no-enable-prefix-caching",
     # TLS on the Inference API's port (vLLM's flag names): the certificate chain and key files, reloaded when
     # they change; with --ssl-ca-certs, clients must present a certificate signed by one of its CAs
     "ssl_certfile": "--ssl-certfile",

@@ -28,7 +28,8 @@ SPECS = {
         "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["moe"]}]}]}},
         "tolerations": [], "nodeSelector": {"topology.kubernetes.io/zone": "a"}, "onePerNode": False},
-        "kvCache": {"cpuTierGiB": 0, "blockSize": 32, "gpuMemoryFraction": 0.5, "cpuDecode": False, "dtype": "fp8"}},
+        "kvCache": {"cpuTierGiB": 0, "blockSize": 32, "gpuMemoryFraction": 0.5, "cpuDecode": False, "dtype": "fp8",
+                    "prefixCaching": False}},
     "nfs-volume": {**BASE, "model": {"path": "org/model", "volume": {"nfs": {"server": "nfs", "path": "/m"}}},
                    "imagePullSecrets": [{"name": "registry"}], "imagePullPolicy": "Always"},
 }
@@ -301,6 +302,18 @@ def test_attention_settings_reach_the_attention_container_only_when_not_default(
         assert flag not in attention["args"] and attention["args"] == containers(BASE)["attention"]["args"]
     else:
         assert attention["args"][attention["args"].index(flag) + 1] == str(other)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_prefix_caching_off_reaches_the_attention_container_only(enabled):
+    raw = {**BASE, "kvCache": {"prefixCaching": enabled}}
+    attention, experts = containers(raw)["attention"], containers(raw)["experts"]
+    flag = contract.SERVE_FLAGS["no_enable_prefix_caching"]
+    assert flag not in experts["args"]
+    if enabled:  # the default renders nothing: existing pods stay as they are
+        assert attention["args"] == containers(BASE)["attention"]["args"]
+    else:
+        assert flag in attention["args"]
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_by_name():

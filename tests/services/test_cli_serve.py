@@ -23,7 +23,8 @@ def test_every_contract_flag_is_accepted(tmp_path):
     # --experts-gguf goes with neither --role attention nor --expert-quant: see the test below;
     # --experts-shm is the experts role's only: below too; the TLS flags read their files: test_grpc_tls.py
     tls = {"ssl_certfile", "ssl_keyfile", "ssl_ca_certs"}
-    assert set(values) | set(switches) | {"experts_gguf", "experts_shm"} | tls == set(contract.SERVE_FLAGS)
+    off = {"no_enable_prefix_caching"}  # a switch the operator renders for the attention role alone
+    assert set(values) | set(switches) | {"experts_gguf", "experts_shm"} | tls | off == set(contract.SERVE_FLAGS)
     argv = [a for key, flag in contract.SERVE_FLAGS.items() if key in values for a in (flag, values[key])]
     opts = parse(*argv)
     assert (opts.role, opts.experts, opts.kv_shm, opts.metrics_port) == (
@@ -33,6 +34,7 @@ def test_every_contract_flag_is_accepted(tmp_path):
     assert opts.scheduling_policy == "priority" and opts.health_listen == contract.HEALTH_SOCKET
     for key, value in switches.items():
         assert parse(*argv, contract.SERVE_FLAGS[key]).cpu_decode is value
+    assert parse(*argv, contract.SERVE_FLAGS["no_enable_prefix_caching"]).enable_prefix_caching is False
 
 
 def test_defaults_follow_the_contract(tmp_path):

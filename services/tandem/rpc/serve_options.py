@@ -28,7 +28,7 @@ ENGINE_ONLY_FLAGS = {
     "num_scheduler_steps": contract.SERVE_FLAGS["num_scheduler_steps"],
     "kv_cache_dtype": contract.SERVE_FLAGS["kv_cache_dtype"],
     "scheduling_policy": contract.SERVE_FLAGS["scheduling_policy"],
-    "enable_prefix_caching": "--no-enable-prefix-caching",
+    "enable_prefix_caching": contract.SERVE_FLAGS["no_enable_prefix_caching"],
 }
 # The Inference API's connection lifetime (tandem.rpc.server.connection_options), by ServeOptions field; the
 # last has no flag. Not --role experts': its one peer, the attention process of its pod, dials a Unix socket.
