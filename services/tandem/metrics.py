@@ -141,11 +141,10 @@ class ServingMetrics(_Metrics):
             contract.GPU_PREFILL_EXPERT_CALLS,
             "MoE layer calls of prefill chunks whose routed experts ran on the GPU, streamed from host memory.",
             registry=reg)
-        self._gpu_prefill_expert_calls = 0  # the engine's count when last recorded
         self.preemptions = Counter(
             contract.PREEMPTIONS, "Running sequences preempted for want of KV blocks (swapped out, or freed to be "
             "recomputed).", registry=reg)
-        self._preemptions = 0
+        self._engine_totals: dict[Counter, int] = {}  # counters of an engine's running totals: the total last seen
         self.kv_blocks_used = Gauge(
             contract.KV_BLOCKS_USED, "KV cache blocks in use, per tier.", ["tier"], registry=reg)
         self.kv_blocks_capacity = Gauge(
@@ -172,14 +171,16 @@ class ServingMetrics(_Metrics):
             self.kv_blocks_used.labels(tier=tier).set(n)
         for tier, n in stats.kv_blocks_total.items():
             self.kv_blocks_capacity.labels(tier=tier).set(n)
-        calls = getattr(stats, "gpu_prefill_expert_calls", 0)  # the engine's count since it started
-        if calls > self._gpu_prefill_expert_calls:
-            self.gpu_prefill_expert_calls.inc(calls - self._gpu_prefill_expert_calls)
-            self._gpu_prefill_expert_calls = calls
-        preemptions = getattr(stats, "num_preemptions", 0)  # the same
-        if preemptions > self._preemptions:
-            self.preemptions.inc(preemptions - self._preemptions)
-            self._preemptions = preemptions
+        # the engine's counts since it started
+        self._count_up(self.gpu_prefill_expert_calls, getattr(stats, "gpu_prefill_expert_calls", 0))
+        self._count_up(self.preemptions, getattr(stats, "num_preemptions", 0))
+
+    def _count_up(self, counter: Counter, total: int) -> None:
+        """Advances `counter` to an engine's running `total`."""
+        seen = self._engine_totals.get(counter, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._engine_totals[counter] = total
 
 
 class ExpertsMetrics(_Metrics):
