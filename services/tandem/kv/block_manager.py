@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
-from tandem.kv.block_pool import Block, BlockPool, hash_block
+from tandem.kv.block_pool import Block, BlockPool, hash_block, hash_salt
 
 DEVICE, CPU = "device", "cpu"
 TIERS = (DEVICE, CPU)
@@ -196,7 +196,7 @@ class KVBlockManager:
         the first block's parent: every block of a salted prefix hashes apart from the same tokens' unsalted
         or otherwise salted ones."""
         bs = self.block_size
-        parent = None if salt is None else hash_block(None, (), salt)
+        parent = None if salt is None else hash_salt(salt)
         for i in range(num_blocks):
             parent = known[i] if i < len(known) else hash_block(parent, tokens[i * bs:(i + 1) * bs])
             yield parent

@@ -22,11 +22,19 @@ class Block:
     block_hash: int | None = None
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str | None = None) -> int:
-    """Chained hash of one full block: the same prefix gives the same hash in every process. With `salt`,
-    the root a salted chain starts from (tandem.kv.block_manager)."""
-    data = repr((parent_hash, tuple(token_ids)) if salt is None else ("salt", salt)).encode()
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash of one full block: the same prefix gives the same hash in every process."""
+    return _digest((parent_hash, tuple(token_ids)))
+
+
+def hash_salt(salt: str) -> int:
+    """The root a salted chain of block hashes starts from (tandem.kv.block_manager): apart from every
+    block's hash."""
+    return _digest(("salt", salt))
+
+
+def _digest(value: tuple) -> int:
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:8], "little")
 
 
 class BlockPool:
