@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import quote
 
 import kubernetes.client
@@ -80,6 +80,19 @@ def get(resource: Resource, namespace: str, name: str) -> dict | None:
         if e.status == 404:
             return None
         raise
+
+
+# (namespace, name) -> the Secret or ConfigMap, or None when there is none: how the checks of what a
+# HybridModel names read them (tests hand in their own).
+ObjectGetter = Callable[[str, str], "dict | None"]
+
+
+def get_secret(namespace: str, name: str) -> dict | None:
+    return get(SECRETS, namespace, name)
+
+
+def get_config_map(namespace: str, name: str) -> dict | None:
+    return get(CONFIGMAPS, namespace, name)
 
 
 def create(resource: Resource, namespace: str, body: dict) -> dict:

@@ -12,8 +12,6 @@ looked at: no message carries a value.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from . import kube
 from .spec import HybridModelSpec, TLSSpec
 from .spec_fields import TLS_CERT_KEY, TLS_KEY_KEY, SecretKeyRef
@@ -21,8 +19,7 @@ from .spec_fields import TLS_CERT_KEY, TLS_KEY_KEY, SecretKeyRef
 REASON = "TLSSecretInvalid"
 API_KEY_REASON = "APIKeySecretInvalid"
 
-# (namespace, name) -> the Secret (or ConfigMap), or None when there is none.
-Getter = Callable[[str, str], "dict | None"]
+Getter = kube.ObjectGetter
 
 
 def pod_secrets_problem(spec: HybridModelSpec, namespace: str) -> tuple[str, str] | None:
@@ -35,7 +32,7 @@ def api_key_problem(ref: SecretKeyRef | None, namespace: str,
     """(API_KEY_REASON, what is missing) when spec.apiKeySecret's Secret or key is; None when it is there."""
     if ref is None:
         return None
-    message = _missing(get_secret or _get_secret, namespace, ref.name, (ref.key,),
+    message = _missing(get_secret or kube.get_secret, namespace, ref.name, (ref.key,),
                        f"spec.apiKeySecret: Secret {namespace}/{ref.name}")
     return None if message is None else (API_KEY_REASON, message)
 
@@ -48,8 +45,8 @@ def tls_problem(tls: TLSSpec | None, namespace: str, get_secret: Getter | None =
     """
     if tls is None:
         return None
-    get_secret = get_secret or _get_secret
-    get_config_map = get_config_map or _get_config_map
+    get_secret = get_secret or kube.get_secret
+    get_config_map = get_config_map or kube.get_config_map
     wanted = [("spec.tls.certSecret", "Secret", get_secret, tls.certSecret.name, (TLS_CERT_KEY, TLS_KEY_KEY))]
     if tls.clientCASecret is not None:
         ref = tls.clientCASecret
@@ -82,10 +79,3 @@ def _missing(get: Getter, namespace: str, name: str, keys: tuple[str, ...], what
             return f"{what} key {key!r} is empty"
     return None
 
-
-def _get_secret(namespace: str, name: str) -> dict | None:
-    return kube.get(kube.SECRETS, namespace, name)
-
-
-def _get_config_map(namespace: str, name: str) -> dict | None:
-    return kube.get(kube.CONFIGMAPS, namespace, name)

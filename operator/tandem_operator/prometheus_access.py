@@ -17,7 +17,7 @@ import re
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 from . import kube
 from .metrics_source import MetricsError
@@ -30,9 +30,7 @@ SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/toke
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
-# (namespace, name) -> the Secret (or ConfigMap), or None when there is none.
-SecretGetter = Callable[[str, str], "dict | None"]
-ConfigMapGetter = SecretGetter
+SecretGetter = ConfigMapGetter = kube.ObjectGetter
 
 
 @dataclass(frozen=True)
@@ -168,12 +166,9 @@ def _load_client_certificate(context: ssl.SSLContext, get_secret: SecretGetter, 
     client_certificate(context, cert, key, f"metrics.prometheus.{where}: Secret {namespace}/{ref.name}")
 
 
-def _get_secret(namespace: str, name: str) -> dict | None:
-    return kube.get(kube.SECRETS, namespace, name)
-
-
-def _get_config_map(namespace: str, name: str) -> dict | None:
-    return kube.get(kube.CONFIGMAPS, namespace, name)
+# Module attributes, read at each call: tests replace them.
+_get_secret = kube.get_secret
+_get_config_map = kube.get_config_map
 
 
 def _read(get: SecretGetter, noun: str, namespace: str, name: str, where: str) -> dict:
