@@ -55,9 +55,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     a block size that is not a power of two (callers fall back to torch).
 
     fp8 caches (float8 e4m3, `tandem.kv.fp8`) hold K / k_scale and V / v_scale. The kernel reads
-    their bytes and converts them with integer operations (`_fp8_to_float`), which every GPU and the
-    interpreter run (Triton's own float8 type needs sm_89 or newer); the scales are folded into the
-    softmax's scale and the output.
+    their bytes and converts them (`_fp8_to_float`): with the GPU's own conversion from sm_89 on
+    (Triton's float8 type needs it), else with integer operations, which every GPU and the interpreter
+    run; the scales are folded into the softmax's scale and the output.
     """
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -97,6 +97,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_SIZE=block_size, SLIDING_WINDOW=max(sliding_window, 0),
         PARTS=parts, TILES=tiles, TILE=tile, DOT=dot, D_PAD=_pad(head_dim), DV_PAD=_pad(v_dim),
         D_MAIN=_main(head_dim), D_REST=_rest(head_dim), ROUND=cache_dtype, FP8=fp8,
+        NATIVE_FP8=fp8 and not interpreted and native_fp8(q.device),
         # Triton 3.6's interpreter multiplies bf16 operands of tl.dot as their bit patterns: float32 there
         OPERAND=tl.float32 if interpreted else cache_dtype,
         **_step(tile, _pad(max(head_dim, v_dim)), dot))
@@ -127,6 +128,11 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tens
     _kernel(_write_kv_kernel, interpreted=cache.device.type == "cpu")[grid](
         flat_cache, slot_mapping, flat_values, block_size, *flat_cache.stride(), *flat_values.stride(),
         slot_mapping.stride(0), ENTRY=entry, CHUNK=WRITE_CHUNK)
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether the GPU converts e4m3 itself (compute capability 8.9 and later: Ada, Hopper)."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _partitions(programs: int, device: torch.device) -> int:
@@ -234,10 +240,13 @@ def _patch_lang_tensor(patch, tensor, scope):
 
 # The kernels below are plain functions, wrapped by `_kernel`: `tl` is only looked up when they run.
 
-def _fp8_to_float(bits):
+def _fp8_to_float(bits, NATIVE: tl.constexpr):
     """e4m3 bytes (uint8) -> float32 values, exactly: sign, exponent and mantissa moved into a
     float16's (its bias 15, not 7: the value times 2^-8, subnormals included), widened, times 2^8;
-    0x7f and 0xff are NaN. Integer operations and a widening, which every GPU has."""
+    0x7f and 0xff are NaN. Integer operations and a widening, which every GPU has; with NATIVE (compute
+    capability 8.9 and later: Ada, Hopper), the GPU's own e4m3 conversion, the same values."""
+    if NATIVE:
+        return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     b = bits.to(tl.uint16)
     half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
     return tl.where((b & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0)
@@ -253,7 +262,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
                    SLIDING_WINDOW: tl.constexpr, PARTS: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr,
                    DOT: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_MAIN: tl.constexpr,
                    D_REST: tl.constexpr, ROUND: tl.constexpr, OPERAND: tl.constexpr, KEYS: tl.constexpr,
-                   FP8: tl.constexpr):
+                   FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
     # One program per (sequence, KV head's tile of query heads, key range): the tile's heads share
     # each K/V load.
     seq = tl.program_id(0).to(tl.int64)
@@ -305,20 +314,20 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
         if DOT:  # operands of the cache's dtype (float32 ones, in the interpreter, in full precision: no TF32)
             k_main = tl.load(k_base + main[None, :] * stride_kd, mask=key_ok[:, None], other=0.0)  # [S, DM]
             if FP8:
-                k_main = _fp8_to_float(k_main)
+                k_main = _fp8_to_float(k_main, NATIVE_FP8)
             scores = tl.dot(q_main, tl.trans(k_main.to(OPERAND)), input_precision="ieee")  # [G, S]
             if D_REST > 0:
                 k_rest = tl.load(k_base + rest[None, :] * stride_kd, mask=key_ok[:, None] & (rest[None, :] < HEAD_DIM),
                                  other=0.0)  # [S, DR]
                 if FP8:
-                    k_rest = _fp8_to_float(k_rest)
+                    k_rest = _fp8_to_float(k_rest, NATIVE_FP8)
                 scores += tl.dot(q_rest, tl.trans(k_rest.to(OPERAND)), input_precision="ieee")
             scores = scores * scale_log2
         else:
             k = tl.load(k_base + dims[None, :] * stride_kd, mask=key_ok[:, None] & (dims[None, :] < HEAD_DIM),
                         other=0.0)  # [S, D]
             if FP8:
-                k = _fp8_to_float(k)
+                k = _fp8_to_float(k, NATIVE_FP8)
             scores = tl.sum(q_tile[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G, S]
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # [G]
@@ -327,7 +336,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_max, p
         v = tl.load(v_cache + v_rows[:, None] + kv_head * stride_vh + v_dims[None, :] * stride_vd,
                     mask=key_ok[:, None] & (v_dims[None, :] < V_DIM), other=0.0)  # [S, Dv]
         if FP8:
-            v = _fp8_to_float(v)
+            v = _fp8_to_float(v, NATIVE_FP8)
         total = total * rescale + tl.sum(p, axis=1)
         if DOT:  # the probabilities rounded to the cache's dtype, as flash attention does
             acc = acc * rescale[:, None] + tl.dot(p.to(ROUND).to(OPERAND), v.to(OPERAND),
