@@ -131,6 +131,8 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
         return [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(n)]
 
     run_requests(engine, prompts(1), 4)  # warm-up: kernels, allocator, native extension
+    if max(concurrency, default=1) > 1:  # and the batched path: prefill chunks of several prompts, wider batches
+        run_requests(engine, prompts(max(concurrency)), 4)
     # prefill alone, then single-stream decode with the expert traffic it causes
     t = time.perf_counter()
     run_requests(engine, prompts(1), 1)
