@@ -51,6 +51,8 @@ PREEMPTIONS = "tandem_preemptions"
 # series is exported by both processes of a pair: the computing of the calls it answers.
 EXPERTS_FORWARD_LATENCY = "tandem_experts_forward_latency_seconds"
 EXPERTS_CPU_ATTENTION_LATENCY = "tandem_experts_cpu_attention_latency_seconds"
+# counter: tokens whose routed experts the experts process computed, once for each MoE layer they went through
+EXPERTS_FORWARD_TOKENS = "tandem_experts_forward_tokens"
 
 # Histogram buckets for latencies: 1 ms to 10 s, no bound more than twice the one before from
 # 2.5 ms up, so that a p95 interpolated inside a bucket (the autoscaler's, or histogram_quantile's)

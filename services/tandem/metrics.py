@@ -193,6 +193,10 @@ class ExpertsMetrics(_Metrics):
             contract.EXPERTS_FORWARD_LATENCY,
             "Seconds computing one Forward (one MoE layer, one step), waiting for other calls excluded.",
             buckets=buckets, registry=reg)
+        self.forward_tokens = Counter(
+            contract.EXPERTS_FORWARD_TOKENS,
+            "Tokens whose routed experts this process computed, once for each MoE layer they went through.",
+            registry=reg)
         self.cpu_attention_latency = Histogram(
             contract.EXPERTS_CPU_ATTENTION_LATENCY,
             "Seconds computing one CpuAttention call (one layer, one step) over the CPU KV tier.",

@@ -377,19 +377,23 @@ async def test_decode_frames_are_served_natively_and_the_rest_by_python(start_se
     [native_end] = made
     assert native_end is not None
 
-    def latency_count() -> float:
+    def sample(name: str) -> float:
         import urllib.request
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
-        line = next(l for l in text.splitlines() if l.startswith(contract.EXPERTS_FORWARD_LATENCY + "_count"))
-        return float(line.split()[-1])
+        return float(next(l for l in text.splitlines() if l.startswith(name + " ")).split()[-1])
 
-    before_served, before_count = native_end.served, latency_count()
+    def latency_count() -> float:
+        return sample(contract.EXPERTS_FORWARD_LATENCY + "_count")
+
+    tokens_total = contract.EXPERTS_FORWARD_TOKENS + "_total"
+    before_served, before_count, before_tokens = native_end.served, latency_count(), sample(tokens_total)
     hidden, ids, weights = batch(tokens=3)
     assert torch.equal(await asyncio.to_thread(client.forward, 1, hidden, ids, weights),
                        local.forward(1, hidden, ids, weights))
     assert native_end.served == before_served + 1
     assert await eventually(latency_count, before_count + 1) == before_count + 1
+    assert sample(tokens_total) == before_tokens + 3  # the native end's frame: its tokens come back with its seconds
     for tokens, dtype in ((3, torch.bfloat16), (local.prefill_tokens + 1, torch.float32)):  # Python's
         hidden, ids, weights = batch(tokens=tokens, dtype=dtype)
         assert torch.equal(await asyncio.to_thread(client.forward, 0, hidden, ids, weights),
@@ -400,6 +404,7 @@ async def test_decode_frames_are_served_natively_and_the_rest_by_python(start_se
             await asyncio.to_thread(client.forward, 0, hidden, bad_ids, bad_weights)
     assert native_end.served == before_served + 1  # none of those
     assert await eventually(latency_count, before_count + 3) == before_count + 3
+    assert sample(tokens_total) == before_tokens + 3 + 3 + local.prefill_tokens + 1  # the refused ones: none
     client.close()
 
 

@@ -180,7 +180,8 @@ def test_the_two_processes_of_a_pair_export_no_series_of_the_same_name():
 
     attention, experts = families(ServingMetrics()), families(ExpertsMetrics())
     assert contract.EXPERT_CALL_LATENCY in attention and contract.CPU_ATTENTION_LATENCY in attention
-    assert experts == {contract.EXPERTS_FORWARD_LATENCY, contract.EXPERTS_CPU_ATTENTION_LATENCY}
+    assert experts == {contract.EXPERTS_FORWARD_LATENCY, contract.EXPERTS_CPU_ATTENTION_LATENCY,
+                       contract.EXPERTS_FORWARD_TOKENS}
     assert not attention & experts
 
 

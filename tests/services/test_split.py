@@ -76,6 +76,12 @@ async def test_split_pair_generates_what_the_embedded_server_does(serve_process,
     # Python, just after the last answer: poll for it.
     count = (contract.EXPERTS_FORWARD_LATENCY + "_count", ())
     assert await eventually(lambda: scrape(experts.metrics_port)[count], calls) == calls
+    # and the tokens it computed the experts of: each token fed to the model (a request's last is
+    # sampled, never fed), once a MoE layer, prompts' cached blocks skipped
+    served = scrape(attention.metrics_port)
+    fed = sum(map(len, PROMPTS)) + served[(contract.GENERATED_TOKENS + "_total", ())] - len(PROMPTS)
+    fed -= served[(contract.PREFIX_CACHED_TOKENS + "_total", ())]
+    assert scrape(experts.metrics_port)[(contract.EXPERTS_FORWARD_TOKENS + "_total", ())] == moe_layers * fed
     names = [{name for name, _ in scrape(proc.metrics_port)} for proc in (attention, experts)]
     assert not names[0] & names[1]
     assert scrape(attention.metrics_port)[(contract.GENERATED_TOKENS + "_total", ())] == 36

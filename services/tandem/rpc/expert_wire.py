@@ -147,9 +147,9 @@ FLUSH_S = 0.05  # the longest `serve_native` answers frames before returning the
 def serve_native(server, sock: socket.socket, spin_us: int = 0) -> tuple:
     """Answers frames in the native `ExpertServer` while they are decode frames it holds the
     layers of and come back to back (within `spin_us` of each answer, for up to FLUSH_S). Returns
-    (SERVED, seconds), (SERVED_FAILING, seconds, message) when the kernel failed and INTERNAL was
-    answered, or (FOR_PYTHON, seconds, layer, hidden, ids, weights) for a frame it leaves to the
-    checked Python path; `seconds` lists the compute time of each frame it answered."""
+    (SERVED, frames), (SERVED_FAILING, frames, message) when the kernel failed and INTERNAL was
+    answered, or (FOR_PYTHON, frames, layer, hidden, ids, weights) for a frame it leaves to the
+    checked Python path; `frames` lists (compute seconds, tokens) of each frame it answered."""
     return _call_native(server.serve, sock.fileno(), spin_us, timeout_ms(sock), FLUSH_S)
 
 

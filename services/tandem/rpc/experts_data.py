@@ -94,9 +94,10 @@ class DataPlaneServer:
         native = self.servicer.native_server if wire.use_native else None
         if native is None:
             return wire.recv_request(conn, self.spin_us)
-        status, seconds, *rest = wire.serve_native(native, conn, self.spin_us)
-        for s in seconds:
-            self.servicer.metrics.forward_latency.observe(s)
+        status, frames, *rest = wire.serve_native(native, conn, self.spin_us)
+        for seconds, tokens in frames:
+            self.servicer.metrics.forward_latency.observe(seconds)
+            self.servicer.metrics.forward_tokens.inc(tokens)
         if status == wire.SERVED_FAILING:
             log.error("native expert forward failed: %s", rest[0])
         return tuple(rest) if status == wire.FOR_PYTHON else None

@@ -135,6 +135,7 @@ class ExpertsServicer(experts_pb2_grpc.ExpertsServicer):
             start = time.perf_counter()
             out = self.executor.forward(layer, hidden, topk_ids, topk_weights)
             self.metrics.forward_latency.observe(time.perf_counter() - start)
+            self.metrics.forward_tokens.inc(hidden.shape[0])
         return out
 
     async def Forward(self, request, context):

@@ -28,6 +28,8 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "ops.h"
 
@@ -338,15 +340,15 @@ class ExpertServer {
   void unlock() { mutex_.unlock(); }
 
   // Reads frames and answers them until one is not for this end, the kernel fails, or the frames
-  // stop: returns (status, seconds of compute of each frame served, ...): (0, seconds, layer,
-  // hidden, ids, weights) for a frame Python must answer, (2, seconds, message) when the kernel
-  // failed (answered INTERNAL), (1, seconds) otherwise. Frames served back to back stay in here:
+  // stop: returns (status, (seconds of compute, tokens) of each frame served, ...): (0, frames, layer,
+  // hidden, ids, weights) for a frame Python must answer, (2, frames, message) when the kernel
+  // failed (answered INTERNAL), (1, frames) otherwise. Frames served back to back stay in here:
   // returning to Python between them would run the interpreter (and leave the OpenMP workers
   // spinning) on the cores the peer needs next. So that the caller's metrics stay current, it
   // returns once no next frame comes within spin_us of an answer, or flush_s after its first.
   py::tuple serve(int fd, int64_t spin_us, int64_t timeout_ms, double flush_s) {
     std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> request;
-    std::vector<double> seconds;
+    std::vector<std::pair<double, int64_t>> seconds;  // each frame's compute seconds and tokens
     std::string error;
     const Layer* layer = nullptr;
     {
@@ -387,9 +389,10 @@ class ExpertServer {
     at::Tensor gu, gu_scale, gu_min, dn, dn_scale, dn_min;
   };
 
-  // Computes and answers one frame; appends its compute seconds. Returns the kernel's error ("": none).
+  // Computes and answers one frame; appends its compute seconds and tokens. Returns the kernel's error ("": none).
   std::string answer(int fd, const Layer& layer, const at::Tensor& hidden, const at::Tensor& ids,
-                     const at::Tensor& weights, int64_t timeout_ms, std::vector<double>& seconds) {
+                     const at::Tensor& weights, int64_t timeout_ms,
+                     std::vector<std::pair<double, int64_t>>& seconds) {
     at::Tensor out = at::empty_like(hidden);
     std::string error;
     {
@@ -405,7 +408,7 @@ class ExpertServer {
       } catch (const std::exception& e) {
         error = e.what();
       }
-      seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      seconds.emplace_back(std::chrono::duration<double>(Clock::now() - start).count(), hidden.size(0));
     }
     ++served_;  // before the answer: the peer may look as soon as it has it
     if (error.empty())
