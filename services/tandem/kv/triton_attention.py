@@ -147,7 +147,8 @@ def _step(tile: int, width: int, dot: bool) -> dict:
     """Keys a loop step and warps a program, for a tile of `tile` query heads and keys of `width`
     (padded) numbers. Broadcast tiles: about 16K products a step on two warps ran fastest on H100
     for groups of 1 to 8. Matrix-product tiles: 32 keys a step on eight warps, which ptxas compiled
-    for sm_90 in 128 registers (four warps spilled more); not yet timed on a GPU."""
+    for sm_90 in 128 registers (four warps spilled more); on an H100, MLA's decode ran 2.8-4.2x torch's
+    (benchmarks/RESULTS.md, round twenty-seven)."""
     if dot:
         return dict(KEYS=32, num_warps=8)
     return dict(KEYS=max(16, min(64, 16384 // (tile * width))), num_warps=2)
