@@ -130,6 +130,7 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tens
         slot_mapping.stride(0), ENTRY=entry, CHUNK=WRITE_CHUNK)
 
 
+@functools.cache
 def native_fp8(device: torch.device) -> bool:
     """Whether the GPU converts e4m3 itself (compute capability 8.9 and later: Ada, Hopper)."""
     return torch.cuda.get_device_capability(device) >= (8, 9)
