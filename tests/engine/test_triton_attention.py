@@ -271,6 +271,18 @@ def test_decode_over_fp8_blocks_matches_attention_over_their_values(kv_heads, gr
     check(case, run_fp8_case(case, CPU, partitions), tol=1e-5 * case["ref"].abs().max().item())
 
 
+@pytest.mark.parametrize("capability, hip, native", [((8, 6), None, False), ((8, 9), None, True), ((9, 0), None, True),
+                                                     ((9, 4), "6.2", False)])
+def test_the_gpus_own_e4m3_conversion_is_taken_from_ada_on_and_never_on_rocm(capability, hip, native, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    triton_attention.native_fp8.cache_clear()
+    try:
+        assert triton_attention.native_fp8(torch.device("cuda")) is native
+    finally:
+        triton_attention.native_fp8.cache_clear()
+
+
 def test_write_kv_copies_fp8_bytes():
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(5, BS, 2, 3, generator=g).to(torch.float8_e4m3fn)

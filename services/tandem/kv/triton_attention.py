@@ -132,8 +132,9 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tens
 
 @functools.cache
 def native_fp8(device: torch.device) -> bool:
-    """Whether the GPU converts e4m3 itself (compute capability 8.9 and later: Ada, Hopper)."""
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether the GPU converts e4m3 itself: NVIDIA's from compute capability 8.9 (Ada, Hopper). Not
+    ROCm's, whose version numbers are not NVIDIA's and whose MI300 converts e4m3fnuz, not e4m3fn."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _partitions(programs: int, device: torch.device) -> int:
