@@ -116,6 +116,8 @@ NON_DEFAULT_VALUES: dict[str, dict[str, Any]] = {
                            "annotations": {"iam.example.com/role": "tandem"}},
         "serviceMonitor": {"enabled": True, "interval": "30s", "scrapeTimeout": "20s",
                            "namespaces": ["models"]},
+        "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}, "additionalLabels": {"team": "ml"},
+                           "for": "15m", "interTokenLatencyP95Seconds": 0.25, "failedRequestRatio": 0.01},
         "hybridModel": {"enabled": True, "name": "mixtral",
                         "spec": load_example("mixtral-8x7b.yaml")["spec"]},
     },

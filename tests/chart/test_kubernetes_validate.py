@@ -12,7 +12,7 @@ from kubernetes_validate import utils as kv
 
 from conftest import NON_DEFAULT_VALUES, one, render_objects
 
-CUSTOM_KINDS = {"ServiceMonitor", "HybridModel"}
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "HybridModel"}
 VERSIONS = ["1.28.0", kv.latest_version()]
 
 
