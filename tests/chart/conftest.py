@@ -118,6 +118,8 @@ NON_DEFAULT_VALUES: dict[str, dict[str, Any]] = {
                            "namespaces": ["models"]},
         "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}, "additionalLabels": {"team": "ml"},
                            "for": "15m", "interTokenLatencyP95Seconds": 0.25, "failedRequestRatio": 0.01},
+        "grafanaDashboard": {"enabled": True, "labels": {"grafana_dashboard": "tandem"},
+                             "annotations": {"grafana_folder": "Tandem"}, "namespace": "monitoring"},
         "hybridModel": {"enabled": True, "name": "mixtral",
                         "spec": load_example("mixtral-8x7b.yaml")["spec"]},
     },

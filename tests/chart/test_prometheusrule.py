@@ -82,7 +82,7 @@ def test_every_series_the_rules_read_is_one_a_model_server_exports(chart):
                 for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
                 for sample in family.samples}
     exprs = [rule["expr"] for group in groups(chart, ON) for rule in group["rules"]]
-    read = {name for expr in exprs for name in re.findall(r"\btandem_[a-z_]+\b", expr)} - {MODEL}
+    read = {name for expr in exprs for name in re.findall(r"\btandem_[a-z0-9_]+\b", expr)} - {MODEL}
     assert read and read <= exported, read - exported
     assert all(MODEL in expr for expr in exprs)  # each alert is per model
 
