@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,23 @@ EXAMPLES_DIR = REPO / "examples"
 DOCKER_DIR = REPO / "docker"
 RELEASE = "tandem"
 NAMESPACE = "tandem-system"
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    """Prometheus's `promtool` (the Debian package `prometheus` ships it); skips without one, except
+    in CI (.ci/run installs it), where it fails."""
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is not installed (apt-get install prometheus); CI must run this test")
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    return path
+
+
+def run_promtool(promtool: str, *args: str, cwd) -> None:
+    done = subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def load_hack(module: str):

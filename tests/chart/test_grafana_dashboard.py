@@ -14,8 +14,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import CHART_DIR, NON_DEFAULT_VALUES, by_kind, load_hack, one, render_objects
-from test_prometheusrule import promtool, run  # noqa: F401 (a fixture)
+from conftest import CHART_DIR, NON_DEFAULT_VALUES, by_kind, load_hack, one, render_objects, run_promtool as run
 
 ON = {"grafanaDashboard": {"enabled": True}}
 DASHBOARD = CHART_DIR / "files" / "grafana-dashboard.json"
@@ -49,7 +48,7 @@ def test_shipped_in_a_configmap_for_the_sidecar(chart):
     assert elsewhere["metadata"]["annotations"] == {"grafana_folder": "Tandem"}
 
 
-def test_every_query_is_promql_promtool_accepts(promtool, tmp_path):  # noqa: F811
+def test_every_query_is_promql_promtool_accepts(promtool, tmp_path):
     board = json.loads(DASHBOARD.read_text())
     rules = [{"record": f"tandem:panel_query_{i}", "expr": concrete(expr)} for i, expr in enumerate(queries(board))]
     rules += [{"record": "tandem:variable", "expr": re.sub(r"label_values\((.*), [a-z_]+\)", r"\1",

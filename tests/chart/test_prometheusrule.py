@@ -6,10 +6,7 @@ export and the ServiceMonitor gives them), so each alert fires for the model in 
 from __future__ import annotations
 
 import copy
-import os
 import re
-import shutil
-import subprocess
 
 import jsonschema
 import pytest
@@ -17,7 +14,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import NON_DEFAULT_VALUES, by_kind, one, render_objects
+from conftest import NON_DEFAULT_VALUES, by_kind, one, render_objects, run_promtool as run
 
 ON = {"prometheusRule": {"enabled": True}}
 MODEL = "tandem_dev_hybridmodel"  # the ServiceMonitor's targetLabels entry, as a Prometheus label
@@ -41,16 +38,6 @@ PROMETHEUS_RULE = closed({
             "labels": STRING_MAP, "annotations": STRING_MAP}, ["alert", "expr"])},
     }, ["name", "rules"])}}, ["groups"]),
 }, ["apiVersion", "kind", "metadata", "spec"])
-
-
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    path = shutil.which("promtool")  # the Debian package `prometheus` ships it
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed (apt-get install prometheus); CI must run this test")
-        pytest.skip("promtool is not installed (apt-get install prometheus)")
-    return path
 
 
 def groups(chart, values: dict) -> list[dict]:
@@ -97,11 +84,6 @@ def write_rules(tmp_path, chart, values: dict):
         for rule in group["rules"]:
             rule.pop("annotations", None)
     (tmp_path / "bare.yaml").write_text(yaml.safe_dump({"groups": bare}))
-
-
-def run(promtool: str, *args: str, cwd) -> None:
-    done = subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("values", [ON, NON_DEFAULT_VALUES["everything"]], ids=["on", "everything"])
