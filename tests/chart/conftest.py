@@ -43,6 +43,18 @@ def run_promtool(promtool: str, *args: str, cwd) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def exported_series_names() -> set[str]:
+    """Every series name the model servers export (both processes of a pair), as Prometheus reads them."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tandem.metrics import ExpertsMetrics, ServingMetrics
+
+    return {sample.name for metrics in (ServingMetrics(), ExpertsMetrics())
+            for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+            for sample in family.samples}
+
+
 def load_hack(module: str):
     """Import a script from charts/tandem/hack (not a package: it is left out of the chart)."""
     path = CHART_DIR / "hack" / f"{module}.py"

@@ -11,10 +11,9 @@ import sys
 
 import pytest
 import yaml
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import CHART_DIR, NON_DEFAULT_VALUES, by_kind, load_hack, one, render_objects, run_promtool as run
+from conftest import (CHART_DIR, NON_DEFAULT_VALUES, by_kind, exported_series_names, load_hack, one, render_objects,
+                      run_promtool as run)
 
 ON = {"grafanaDashboard": {"enabled": True}}
 DASHBOARD = CHART_DIR / "files" / "grafana-dashboard.json"
@@ -63,11 +62,7 @@ def test_every_query_is_promql_promtool_accepts(promtool, tmp_path):
 
 
 def test_every_series_a_panel_reads_is_one_a_model_server_exports():
-    from tandem.metrics import ExpertsMetrics, ServingMetrics
-
-    exported = {sample.name for metrics in (ServingMetrics(), ExpertsMetrics())
-                for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
-                for sample in family.samples}
+    exported = exported_series_names()
     board = json.loads(DASHBOARD.read_text())
     read = {name for expr in queries(board) for name in re.findall(r"\btandem_[a-z0-9_]+\b", expr)}
     read -= {"tandem_dev_hybridmodel"}

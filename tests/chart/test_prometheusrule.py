@@ -11,10 +11,8 @@ import re
 import jsonschema
 import pytest
 import yaml
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import NON_DEFAULT_VALUES, by_kind, one, render_objects, run_promtool as run
+from conftest import NON_DEFAULT_VALUES, by_kind, exported_series_names, one, render_objects, run_promtool as run
 
 ON = {"prometheusRule": {"enabled": True}}
 MODEL = "tandem_dev_hybridmodel"  # the ServiceMonitor's targetLabels entry, as a Prometheus label
@@ -63,11 +61,7 @@ def test_off_by_default(chart):
 
 def test_every_series_the_rules_read_is_one_a_model_server_exports(chart):
     # A renamed metric would leave an alert that can never fire.
-    from tandem.metrics import ExpertsMetrics, ServingMetrics
-
-    exported = {sample.name for metrics in (ServingMetrics(), ExpertsMetrics())
-                for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
-                for sample in family.samples}
+    exported = exported_series_names()
     exprs = [rule["expr"] for group in groups(chart, ON) for rule in group["rules"]]
     read = {name for expr in exprs for name in re.findall(r"\btandem_[a-z0-9_]+\b", expr)} - {MODEL}
     assert read and read <= exported, read - exported
