@@ -1,4 +1,5 @@
-"""KVBlockManager step by step: allocate, grow, free, prefix hits, LRU eviction, swapping, exhaustion."""
+"""KVBlockManager step by step: allocate, grow, free, prefix hits, LRU eviction, swapping, exhaustion,
+freeing the blocks before a sliding window."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.kv.block_manager import CPU, DEVICE, KVBlockManager
+from tandem.kv.block_manager import CPU, DEVICE, FREED_BLOCK_ID, KVBlockManager
 
 BS = 4
 
@@ -302,6 +303,117 @@ def test_without_prefix_caching_nothing_is_shared():
     assert bm.prefix_cache_queries == 0
 
 
+# blocks before a sliding window
+
+
+def held(bm: KVBlockManager, seq: Seq) -> list[int]:
+    """The ids of the blocks the sequence holds, without the placeholders of those freed."""
+    return [b.block_id for b in bm._tables[seq.request_id] if b is not None]
+
+
+def test_a_block_is_freed_once_every_slot_of_it_is_before_the_position():
+    bm = KVBlockManager(8, 0, BS)
+    seq = Seq("a", tokens(10))
+    prefill(bm, seq)  # blocks 0, 1, 2 (slots 0-3, 4-7, 8-9)
+    bm.free_blocks_before(seq, 3)  # slot 3 is still read
+    assert bm.block_table(seq) == [0, 1, 2] and bm.num_used_blocks(DEVICE) == 3
+    bm.free_blocks_before(seq, 4)
+    assert bm.block_table(seq) == [FREED_BLOCK_ID, 1, 2] and held(bm, seq) == [1, 2]
+    assert bm.num_used_blocks(DEVICE) == 2
+    bm.free_blocks_before(seq, 7)
+    assert held(bm, seq) == [1, 2]
+    bm.free_blocks_before(seq, 8)
+    bm.free_blocks_before(seq, 8)  # again: nothing more to free
+    assert held(bm, seq) == [2] and bm.num_used_blocks(DEVICE) == 1
+    # The table keeps its length: block i still holds tokens 4i..4i+3, and growth is counted from it.
+    assert len(bm.block_table(seq)) == 3
+    seq.all_token_ids += [100, 101]
+    assert bm.allocate_slots(seq, 2)  # slots 10, 11 fit in block 2
+    assert held(bm, seq) == [2]
+    seq.num_computed_tokens = 12
+    seq.all_token_ids.append(102)
+    assert bm.allocate_slots(seq, 1)  # slot 12 opens block 3
+    assert len(bm.block_table(seq)) == 4 and len(held(bm, seq)) == 2
+
+
+def test_freeing_a_windowed_sequence_restores_every_count():
+    bm = KVBlockManager(8, 4, BS)
+    seq = Seq("a", tokens(18))
+    prefill(bm, seq)
+    bm.free_blocks_before(seq, 13)
+    assert bm.num_used_blocks(DEVICE) == 2
+    bm.free(seq)
+    assert bm.block_table(seq) == []
+    assert (bm.num_free_blocks(DEVICE), bm.num_free_blocks(CPU)) == (8, 4)
+    assert all(b.ref_count == 0 for pool in bm._pools.values() for b in pool.blocks)
+
+
+def test_blocks_freed_before_the_window_stay_cached_until_reused():
+    bm = KVBlockManager(6, 0, BS)
+    seq = Seq("a", tokens(13))
+    prefill(bm, seq)  # 3 full blocks cached, block 3 partial
+    bm.free_blocks_before(seq, 8)
+    assert held(bm, seq) == [2, 3]
+    # A later request with the same prefix walks the cache from block 0: the freed blocks are there.
+    blocks, cached = bm.get_computed_blocks(Seq("b", tokens(13)))
+    assert [b.block_id for b in blocks] == [0, 1, 2] and cached == 12
+    # Evicted and reused by another sequence: the prefix is gone, and `a` frees only what it holds.
+    taker = Seq("taker", tokens(16, start=500))
+    assert bm.allocate_slots(taker, 16)
+    assert sorted(held(bm, taker)) == [0, 1, 4, 5]
+    assert bm.get_computed_blocks(Seq("c", tokens(13)))[1] == 0
+    bm.free(seq)
+    assert [b.ref_count for b in bm._pools[DEVICE].blocks] == [1, 1, 0, 0, 1, 1]
+    bm.free(taker)
+    assert bm.num_free_blocks(DEVICE) == 6
+
+
+def test_swapping_a_windowed_table_moves_only_the_blocks_it_holds():
+    bm = KVBlockManager(6, 2, BS)  # the CPU tier has room for the two held blocks, not the table's four
+    seq = Seq("a", tokens(14))
+    prefill(bm, seq)
+    bm.free_blocks_before(seq, 8)
+    assert bm.block_table(seq) == [FREED_BLOCK_ID, FREED_BLOCK_ID, 2, 3]
+    assert bm.can_swap_out(seq, num_new_tokens=2) and not bm.can_swap_out(seq, num_new_tokens=3)
+    out = bm.swap_out(seq)
+    assert [d for d, _ in out] == [2, 3]
+    assert bm.block_table(seq) == [FREED_BLOCK_ID, FREED_BLOCK_ID] + [c for _, c in out]
+    assert (bm.num_used_blocks(DEVICE), bm.num_used_blocks(CPU)) == (0, 2)
+    bm.free_blocks_before(seq, 12)  # on the CPU tier too
+    assert bm.num_used_blocks(CPU) == 1
+    assert bm.allocate_slots(seq, 2)  # 16 slots: no new block
+    seq.num_computed_tokens = 16
+    other = Seq("b", tokens(16, start=100))
+    assert bm.allocate_slots(other, 16)  # the device tier has 2 blocks left: the held one and one to grow
+    assert bm.can_swap_in(seq, num_new_tokens=4) and not bm.can_swap_in(seq, num_new_tokens=5)
+    back = bm.swap_in(seq)
+    assert [c for c, _ in back] == [out[1][1]] and len(back) == 1
+    assert bm.block_table(seq) == [FREED_BLOCK_ID] * 3 + [back[0][1]]
+    assert (bm.num_used_blocks(DEVICE), bm.num_used_blocks(CPU)) == (5, 0)
+    bm.free(seq)
+    bm.free(other)
+    assert (bm.num_free_blocks(DEVICE), bm.num_free_blocks(CPU)) == (6, 2)
+
+
+def test_placeholders_are_never_offered_to_the_prefix_cache():
+    bm = KVBlockManager(8, 8, BS)
+    seq = Seq("a", tokens(14))
+    prefill(bm, seq)
+    bm.free_blocks_before(seq, 8)
+    bm.swap_out(seq)
+    bm.swap_in(seq)  # fresh device blocks, offered to the cache again from block 0 on
+    pool = bm._pools[DEVICE]
+    offered, cache = [], pool.cache
+    pool.cache = lambda block, block_hash: (offered.append(block), cache(block, block_hash))
+    seq.all_token_ids += tokens(2, start=900)
+    assert bm.allocate_slots(seq, 2)
+    seq.num_computed_tokens = 16
+    bm.cache_full_blocks(seq)
+    assert offered == [pool.blocks[i] for i in held(bm, seq)]  # blocks 2 and 3, not the placeholders
+    bm.free(seq)
+    assert bm.num_free_blocks(DEVICE) == 8
+
+
 def test_block_manager_imports_no_torch():
     import subprocess
 
@@ -311,7 +423,7 @@ def test_block_manager_imports_no_torch():
 
 # randomized invariants
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "swap_out", "swap_in"]),
+ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "swap_out", "swap_in", "slide"]),
                          st.integers(0, 5), st.integers(1, 9)), max_size=40)
 
 
@@ -344,6 +456,8 @@ def test_invariants_hold_under_random_operations(operations):
             bm.swap_out(seq)
         elif op == "swap_in" and seq is not None:
             bm.swap_in(seq)
+        elif op == "slide" and seq is not None:
+            bm.free_blocks_before(seq, seq.num_computed_tokens - n)
         check_invariants(bm, seqs)
     for seq in seqs.values():
         bm.free(seq)
@@ -353,12 +467,15 @@ def test_invariants_hold_under_random_operations(operations):
 def check_invariants(bm: KVBlockManager, seqs: dict[str, Seq]) -> None:
     for tier in (DEVICE, CPU):
         pool = bm._pools[tier]
-        tables = [bm._tables[s.request_id] for s in seqs.values() if bm.tier_of(s) == tier]
+        tables = [held(bm, s) for s in seqs.values() if bm.tier_of(s) == tier]
         assert sum(b.ref_count for b in pool.blocks) == sum(len(t) for t in tables)
         assert bm.num_free_blocks(tier) + bm.num_used_blocks(tier) == bm.num_total_blocks(tier)
         assert sorted(pool.free_block_ids()) == [b.block_id for b in pool.blocks if b.ref_count == 0]
     for seq in seqs.values():
         assert len(bm.block_table(seq)) * BS >= seq.num_computed_tokens
-        assert len(set(bm.block_table(seq))) == len(bm.block_table(seq))
+        assert len(set(held(bm, seq))) == len(held(bm, seq))
+        table = bm._tables[seq.request_id]
+        freed = len(table) - len(held(bm, seq))
+        assert all(b is None for b in table[:freed])  # the freed blocks are a leading run
     for block_hash, block in bm._pools[DEVICE]._cached.items():
         assert block.block_hash == block_hash

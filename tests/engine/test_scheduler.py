@@ -2,8 +2,9 @@
 
 The fake model writes each computed token into the slot its block table names, copies blocks
 when told to swap, and checks before every chunk that the slots it would attend to hold exactly
-the sequence's earlier tokens. Its next token is a function of that context, so a run with
-preemptions must produce the same outputs as a run with room to spare.
+the sequence's earlier tokens (with a sliding window, those in the window of the chunk's first
+query). Its next token is a function of that context, so a run with preemptions must produce the
+same outputs as a run with room to spare.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ EOS = 0
 class FakeModel:
     """Token storage shaped like the KV cache: tier -> block id -> block_size slots."""
 
-    def __init__(self, bm: KVBlockManager):
-        self.bm = bm
+    def __init__(self, bm: KVBlockManager, window: int | None = None):
+        self.bm, self.window = bm, window
         self.kv = {tier: {i: [None] * BS for i in range(bm.num_total_blocks(tier))} for tier in (DEVICE, CPU)}
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
@@ -37,14 +38,17 @@ class FakeModel:
             assert len(table) * BS >= work.start_pos + len(work.token_ids)
             assert self.bm.tier_of(seq) == work.tier
             kv = self.kv[work.tier]  # offloaded sequences read and write the CPU tier
-            context = [kv[table[p // BS]][p % BS] for p in range(work.start_pos)]
-            assert context == seq.all_token_ids[:work.start_pos], "KV lost or corrupted"
+            # A query at position p attends to keys p - window + 1 .. p
+            first = 0 if self.window is None else max(0, work.start_pos - self.window + 1)
+            context = [kv[table[p // BS]][p % BS] for p in range(first, work.start_pos)]
+            assert context == seq.all_token_ids[first:work.start_pos], "KV lost or corrupted"
             for p, token in enumerate(work.token_ids, start=work.start_pos):
                 block = table[p // BS]
                 assert self.bm._pools[work.tier].blocks[block].ref_count == 1, "wrote into a shared block"
                 kv[block][p % BS] = token
             if work.sample:
-                sampled[seq.request_id] = next_token(context + work.token_ids)
+                keys = context + work.token_ids  # the last query's, and the window's before it
+                sampled[seq.request_id] = next_token(keys if self.window is None else keys[-self.window:])
         return sampled
 
 
@@ -56,7 +60,7 @@ def next_token(context: list[int]) -> int:
 def make(num_device=64, num_cpu=0, caching=True, **config) -> tuple[Scheduler, FakeModel]:
     bm = KVBlockManager(num_device, num_cpu, BS, enable_prefix_caching=caching)
     config.setdefault("max_model_len", min(4096, num_device * BS))
-    return Scheduler(SchedulerConfig(**config), bm, {EOS}), FakeModel(bm)
+    return Scheduler(SchedulerConfig(**config), bm, {EOS}), FakeModel(bm, config.get("sliding_window"))
 
 
 def seq(rid: str, prompt: list[int] | int, **params) -> Sequence:
@@ -66,12 +70,15 @@ def seq(rid: str, prompt: list[int] | int, **params) -> Sequence:
 
 
 def swap_owners(sched: Scheduler, out: SchedulerOutput) -> set[str]:
-    """The sequences whose block tables start at a block this step's copies write: their KV moves.
-    (Tables move whole, to fresh blocks; one freed again in the step, recomputed, has none.)"""
+    """The sequences whose first held block (after those a sliding window freed) is one this step's
+    copies write: their KV moves. (A table's blocks move together, to fresh blocks; one freed again in
+    the step, recomputed, has none.)"""
     bm = sched.block_manager
     written = {(CPU, c) for _, c in out.swap_out} | {(DEVICE, d) for _, d in out.swap_in}
+    held = {s.request_id: [b.block_id for b in bm._tables.get(s.request_id, ()) if b is not None]
+            for s in sched._seqs.values()}
     return {s.request_id for s in sched._seqs.values()
-            if bm.block_table(s) and (bm.tier_of(s), bm.block_table(s)[0]) in written}
+            if held[s.request_id] and (bm.tier_of(s), held[s.request_id][0]) in written}
 
 
 def step(sched: Scheduler, model: FakeModel) -> tuple[SchedulerOutput, list[Sequence]]:
@@ -99,8 +106,8 @@ def assert_all_free(sched: Scheduler) -> None:
         assert all(b.ref_count == 0 for b in bm._pools[tier].blocks)
 
 
-def reference_outputs(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
-    sched, model = make(num_device=256)
+def reference_outputs(prompts: dict[str, list[int]], max_tokens: int, **config) -> dict[str, list[int]]:
+    sched, model = make(num_device=256, **config)
     seqs = [seq(rid, p, max_tokens=max_tokens) for rid, p in prompts.items()]
     for s in seqs:
         sched.add(s)
@@ -552,3 +559,101 @@ def test_scheduler_falls_back_to_one_step_when_the_blocks_for_a_run_are_short():
     assert [w.num_steps for w in out.scheduled] == [1, 1]
     assert (len(bm.block_table(a)), len(bm.block_table(b)), bm.num_free_blocks(DEVICE)) == (3, 1, 1)
     assert not out.preempted
+
+
+# Sliding window: the blocks no later query reads are freed as a sequence goes.
+
+WINDOW = 6
+
+
+def first_held(sched: Scheduler, s: Sequence) -> int:
+    """How many of the sequence's leading blocks it has freed (placeholders in its table)."""
+    return next(i for i, b in enumerate(sched.block_manager._tables[s.request_id]) if b is not None)
+
+
+def test_a_sliding_window_frees_each_block_at_the_first_step_no_later_query_reads_it():
+    # The next query is at num_computed_tokens n and reads keys n - 5 .. n: block i (tokens 4i..4i+3)
+    # goes at the first n where 4i + 3 < n - 5, not a token before.
+    sched, model = make(sliding_window=WINDOW)
+    s = seq("a", 5, max_tokens=12)
+    sched.add(s)
+    freed = {}
+    while not s.is_finished:
+        step(sched, model)
+        freed[s.num_computed_tokens] = first_held(sched, s) if not s.is_finished else None
+    assert freed == {5: 0, 6: 0, 7: 0, 8: 0, 9: 1, 10: 1, 11: 1, 12: 1, 13: 2, 14: 2, 15: 2, 16: None}
+    assert_all_free(sched)
+
+
+def test_a_sliding_window_frees_blocks_between_prefill_chunks():
+    sched, model = make(sliding_window=WINDOW, max_num_batched_tokens=8)
+    s = seq("a", 30, max_tokens=10)
+    sched.add(s)
+    while not s.is_finished:
+        step(sched, model)  # the model checks that each chunk's window is intact
+        if not s.is_finished:
+            n = s.num_computed_tokens
+            assert first_held(sched, s) == (n - WINDOW + 1) // BS
+            assert sched.block_manager.num_used_blocks(DEVICE) <= WINDOW // BS + 3  # the window, a chunk's growth
+    assert_all_free(sched)
+
+
+def test_without_a_window_every_block_is_held_to_the_end():
+    sched, model = make()
+    s = seq("a", 30, max_tokens=10)
+    sched.add(s)
+    step(sched, model)
+    while not s.is_finished:
+        assert first_held(sched, s) == 0
+        assert sched.block_manager.num_used_blocks(DEVICE) == sched.block_manager.blocks_needed(s.num_tokens - 1)
+        step(sched, model)
+
+
+@pytest.mark.parametrize("config", [dict(num_device=8, num_cpu=16, max_model_len=32),  # swapped out and back in
+                                    dict(num_device=4, num_cpu=32, cpu_decode=True, max_model_len=64,
+                                         max_num_batched_tokens=16)],  # decoding on the CPU tier
+                         ids=["swapped", "offloaded"])
+def test_a_sliding_window_keeps_every_token_on_the_cpu_tier(config):
+    prompts = {f"r{i}": [(7 * i + j) % 40 + 1 for j in range(12)] for i in range(3)}
+    expected = reference_outputs(prompts, max_tokens=16, sliding_window=8)
+    sched, model = make(sliding_window=8, **config)
+    seqs = [seq(rid, p, max_tokens=16) for rid, p in prompts.items()]
+    for s in seqs:
+        sched.add(s)
+    on_cpu_with_freed_blocks = 0  # steps after which a CPU-tier table had placeholders
+    while sched.has_unfinished():
+        step(sched, model)
+        on_cpu_with_freed_blocks += any(sched.block_manager.tier_of(s) == CPU and first_held(sched, s) > 0
+                                        for s in sched._seqs.values())
+    assert on_cpu_with_freed_blocks
+    assert {s.request_id: s.output_token_ids for s in seqs} == expected
+    assert_all_free(sched)
+
+
+def test_a_prefix_freed_by_the_window_serves_later_requests_until_it_is_reused():
+    sched, model = make(num_device=12, sliding_window=WINDOW, max_model_len=48)
+    prompt = [(3 * i) % 50 + 1 for i in range(22)]
+    first = seq("first", prompt, max_tokens=4)
+    sched.add(first)
+    step(sched, model)
+    assert first_held(sched, first) == 4  # blocks 0-3 freed, and still cached
+    second = seq("second", prompt, max_tokens=4)
+    sched.add(second)
+    step(sched, model)
+    assert second.num_cached_tokens == 20  # from block 0 on: the five full blocks
+    run_all(sched, model)  # the model checks second's window was intact
+    # Other prompts take every block, evicting the cached prefix; a third request computes it again.
+    for i in range(3):
+        sched.add(seq(f"other{i}", [(5 * i + j) % 40 + 1 for j in range(40)], max_tokens=2))
+    run_all(sched, model)
+    third = seq("third", prompt, max_tokens=4)
+    sched.add(third)
+    run_all(sched, model)
+    assert third.num_cached_tokens < 20 and third.output_token_ids == first.output_token_ids
+    assert_all_free(sched)
+
+
+def test_a_bad_sliding_window_is_refused():
+    for window in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window"):
+            SchedulerConfig(sliding_window=window)

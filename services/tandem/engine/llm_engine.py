@@ -56,7 +56,8 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, max_waiting=config.max_waiting, cpu_decode=config.cpu_decode,
-            num_scheduler_steps=config.num_scheduler_steps, policy=config.scheduling_policy)
+            num_scheduler_steps=config.num_scheduler_steps, policy=config.scheduling_policy,
+            sliding_window=cfg.sliding_window)
         try:
             self.scheduler = Scheduler(scheduler_config, self.block_manager, set(cfg.eos_token_ids))
         except ValueError as exc:  # tiers too small: say which settings made them so

@@ -31,6 +31,10 @@ It stays on the CPU tier until it finishes (no ping-pong between tiers). A seque
 fit the CPU tier with room to grow is recomputed, never swapped out, as is the latest-arrived
 CPU-tier sequence when the CPU tier is full.
 
+With a sliding window (every layer of the model attending to the last `sliding_window` keys), a
+sequence's blocks that fall out of the window are freed as it goes (vLLM does the same): a long
+sequence holds about window / block_size blocks, not its whole length.
+
 A request for n completions (SamplingParams.n) is n sequences that share its prompt. The first
 is queued as any request; with prefix caching the others are held until its prompt is computed,
 then go to the front of the waiting queue, where they take its full prompt blocks from the
@@ -74,6 +78,7 @@ class SchedulerConfig:
     cpu_decode: bool = False  # offload to the CPU tier and keep running, instead of swapping out
     num_scheduler_steps: int = 1  # decode tokens per scheduled step when only decodes run (see above)
     policy: str = "fcfs"  # or "priority": requests' priorities order the queues (see above)
+    sliding_window: int | None = None  # the model's, when every layer has one: blocks before it are freed
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting", "num_scheduler_steps"):
@@ -83,6 +88,9 @@ class SchedulerConfig:
         if self.max_model_len < 2:
             raise ValueError(f"SchedulerConfig.max_model_len must leave room for one output token, "
                              f"got {self.max_model_len}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"SchedulerConfig.sliding_window must be None or an int >= 1, got {window!r}")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"SchedulerConfig.policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
@@ -406,7 +414,7 @@ class Scheduler:
                 continue  # aborted or finished between schedule and update
             if not work.sample:
                 seq.num_computed_tokens = work.start_pos + len(work.token_ids)
-                self.block_manager.cache_full_blocks(seq)
+                self._computed(seq)
                 continue
             if seq.request_id not in sampled:
                 raise KeyError(f"no sampled token for request {seq.request_id!r}")
@@ -428,12 +436,20 @@ class Scheduler:
                 reason, stop_reason = self._check_stop(seq, token)
                 if reason is not None:
                     break  # the tokens after a stop are dropped
-            self.block_manager.cache_full_blocks(seq)
+            self._computed(seq)
             self._release(seq)  # its prompt is computed and cached
             if reason is not None:
                 self._retire(seq, reason, stop_reason)
             changed.append(seq)
         return changed
+
+    def _computed(self, seq: Sequence) -> None:
+        """seq.num_computed_tokens advanced: cache its newly full blocks, then free those out of the
+        sliding window. Every later query is at a position >= num_computed_tokens, so reads no key
+        before num_computed_tokens - window + 1 (attention's window: a query at p reads p - window + 1..p)."""
+        self.block_manager.cache_full_blocks(seq)
+        if self.config.sliding_window is not None:
+            self.block_manager.free_blocks_before(seq, seq.num_computed_tokens - self.config.sliding_window + 1)
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         params = seq.params

@@ -69,6 +69,14 @@ class AttentionMetadata:
             self._mask = mask[:, None]
         return self._mask
 
+    @property
+    def first_keys(self) -> torch.Tensor | None:
+        """[B] the first key position any query of each sequence reads (its first query's window
+        starts there), or None without a sliding window."""
+        if self.sliding_window is None:
+            return None
+        return (self.query_pos[:, 0] - self.sliding_window + 1).clamp_min(0)
+
     @classmethod
     def build(cls, starts: list[int], lens: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device, sliding_window: int | None = None) -> "AttentionMetadata":
@@ -132,22 +140,30 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tens
     rows.index_copy_(0, slot_mapping, fp8.as_bytes(values))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor | None = None,
+              first_keys: torch.Tensor | None = None) -> torch.Tensor:
     """cache [blocks, block_size, *entry], block_tables [B, nb] -> [B, nb * block_size, *entry].
 
     With seq_lens [B], each sequence's slots from its length on come back as zeros. They hold what
     their blocks held before (another request's KV, a NaN it computed, an earlier run's bytes in a
     reused shared-memory tier): masked out of the scores, yet a NaN or inf there would still reach
-    the output, as 0 * NaN, through the probabilities' product with the values."""
+    the output, as 0 * NaN, through the probabilities' product with the values. With first_keys [B]
+    (AttentionMetadata.first_keys), so do the slots before them: those before a sliding window,
+    whose blocks the sequence may have freed (tandem.kv.block_manager.FREED_BLOCK_ID stands in for them:
+    a block another sequence may hold)."""
     # fp8 as bytes: torch neither fills nor (on every device) indexes float8 tensors; fp8 zero is the zero byte
     gathered = fp8.as_bytes(cache)[block_tables].flatten(1, 2)  # [B, L, *entry], a copy
     if seq_lens is not None:
-        beyond = torch.arange(gathered.shape[1], device=gathered.device) >= seq_lens[:, None]  # [B, L]
+        key_pos = torch.arange(gathered.shape[1], device=gathered.device)  # [L]
+        outside = key_pos >= seq_lens[:, None]  # [B, L]
+        if first_keys is not None:
+            outside |= key_pos < first_keys[:, None]
         if gathered.device.type == "cpu":
-            # By index, a few slots a sequence: a mask over the whole copy cost a quarter of a bf16 decode step.
-            gathered.flatten(0, 1).index_fill_(0, beyond.view(-1).nonzero().view(-1), 0)
+            # By index, a few slots a sequence (more before a window): a mask over the whole copy cost a quarter
+            # of a bf16 decode step.
+            gathered.flatten(0, 1).index_fill_(0, outside.view(-1).nonzero().view(-1), 0)
         else:  # nonzero would wait for the device every layer; a masked write does not
-            gathered.masked_fill_(beyond.view(*beyond.shape, *[1] * (gathered.dim() - 2)), 0)
+            gathered.masked_fill_(outside.view(*outside.shape, *[1] * (gathered.dim() - 2)), 0)
     return gathered.view(cache.dtype)
 
 
@@ -211,8 +227,8 @@ def sdpa_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     and the output."""
     decode_only = meta.query_index.shape[1] == 1  # one token per sequence, in sequence order: no gather
     qp = (q[:, None] if decode_only else q[meta.query_index]).transpose(1, 2)  # [B, H, Qmax, D]
-    k = gather_kv(k_cache, meta.block_tables, meta.seq_lens).transpose(1, 2)  # [B, Hkv, L, D]
-    v = gather_kv(v_cache, meta.block_tables, meta.seq_lens).transpose(1, 2)  # [B, Hkv, L, Dv]
+    k = gather_kv(k_cache, meta.block_tables, meta.seq_lens, meta.first_keys).transpose(1, 2)  # [B, Hkv, L, D]
+    v = gather_kv(v_cache, meta.block_tables, meta.seq_lens, meta.first_keys).transpose(1, 2)  # [B, Hkv, L, Dv]
     quantized = k_cache.dtype == fp8.FP8
     if quantized:
         k, v, scale = k.to(q.dtype), v.to(q.dtype), scale * k_scale  # e4m3 is exact in any float dtype

@@ -5,6 +5,11 @@ tensor (`tandem.kv.cache` moves the data given the id pairs that swapping return
 of blocks is a normal answer (False / None), never an exception, and freeing a sequence
 restores every count exactly.
 
+With a sliding window, a sequence's leading blocks that no later query reads can be freed before
+it finishes (`free_blocks_before`): its table keeps their places as placeholders, so that block i
+still holds tokens [i * block_size, (i + 1) * block_size) and the counts that compare a table's
+length with the blocks a length needs stay right.
+
 A sequence is anything with `request_id` (hashable), `all_token_ids` and `num_computed_tokens`
 (`tandem.engine.sequence.Sequence`), and optionally `cache_salt`: sequences share cached blocks only
 with sequences of the same salt (vLLM's cache_salt).
@@ -12,7 +17,7 @@ with sequences of the same salt (vLLM's cache_salt).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
@@ -20,6 +25,10 @@ from tandem.kv.block_pool import Block, BlockPool, hash_block, hash_salt
 
 DEVICE, CPU = "device", "cpu"
 TIERS = (DEVICE, CPU)
+# What block_table names a freed block by: a valid id, which the kernels may index but never read from
+# (its slots are before every query's window; the torch path zeroes what it gathers there) and through
+# which the sequence never writes. Another sequence may hold that block.
+FREED_BLOCK_ID = 0
 
 
 class SequenceLike(Protocol):
@@ -47,7 +56,7 @@ class KVBlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._pools = {DEVICE: BlockPool(num_device_blocks, enable_prefix_caching),
                        CPU: BlockPool(num_cpu_blocks, enable_caching=False)}
-        self._tables: dict[str, list[Block]] = {}
+        self._tables: dict[str, list[Block | None]] = {}  # None: a leading block freed (free_blocks_before)
         self._tier: dict[str, str] = {}
         self._hashes: dict[str, list[int]] = {}  # chained hashes of the sequence's full blocks
         self._num_registered: dict[str, int] = {}  # leading table blocks offered to the cache
@@ -73,8 +82,9 @@ class KVBlockManager:
     # per sequence
 
     def block_table(self, seq: SequenceLike) -> list[int]:
-        """Block ids of the sequence, in the tier it is in (empty if it holds none)."""
-        return [b.block_id for b in self._tables.get(seq.request_id, ())]
+        """Block ids of the sequence, in the tier it is in (empty if it holds none); FREED_BLOCK_ID for
+        the blocks freed by free_blocks_before."""
+        return [FREED_BLOCK_ID if b is None else b.block_id for b in self._tables.get(seq.request_id, ())]
 
     def tier_of(self, seq: SequenceLike) -> str | None:
         return self._tier.get(seq.request_id)
@@ -139,7 +149,8 @@ class KVBlockManager:
         self._hashes[rid] = hashes
         pool = self._pools[DEVICE]
         for i in range(start, num_full):
-            pool.cache(table[i], hashes[i])
+            if table[i] is not None:
+                pool.cache(table[i], hashes[i])
         self._num_registered[rid] = num_full
 
     def free(self, seq: SequenceLike) -> None:
@@ -148,9 +159,24 @@ class KVBlockManager:
         table = self._tables.pop(rid, None)
         if table is None:
             return
-        self._pools[self._tier.pop(rid)].free(reversed(table))
+        self._pools[self._tier.pop(rid)].free(_held(reversed(table)))
         self._hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
+
+    def free_blocks_before(self, seq: SequenceLike, position: int) -> None:
+        """Release the sequence's leading blocks whose every slot is before `position`: KV that no
+        later query reads (those before a sliding window). Their table entries stay, as placeholders;
+        on the device tier they stay in the prefix cache until reused, as `free` leaves them."""
+        table = self._tables.get(seq.request_id)
+        if table is None:
+            return
+        end = min(max(position, 0) // self.block_size, len(table))
+        start = end
+        while start > 0 and table[start - 1] is not None:  # back to those freed before: a leading run
+            start -= 1
+        if start < end:
+            self._pools[self._tier[seq.request_id]].free(reversed(table[start:end]))
+            table[start:end] = [None] * (end - start)
 
     # swapping
 
@@ -159,12 +185,11 @@ class KVBlockManager:
         table = self._tables.get(seq.request_id)
         if table is None or self._tier[seq.request_id] != DEVICE:
             return False
-        needed = max(len(table), self.blocks_needed(seq.num_computed_tokens + num_new_tokens))
-        return needed <= self._pools[CPU].num_free
+        return self._blocks_to_move(table, seq.num_computed_tokens + num_new_tokens) <= self._pools[CPU].num_free
 
     def swap_out(self, seq: SequenceLike, num_new_tokens: int = 0) -> list[tuple[int, int]] | None:
-        """Move the whole table to the CPU tier: (device_block_id, cpu_block_id) pairs, or None
-        when it does not fit with room for num_new_tokens more."""
+        """Move the table's blocks to the CPU tier: (device_block_id, cpu_block_id) pairs, or None
+        when they do not fit with room for num_new_tokens more."""
         if not self.can_swap_out(seq, num_new_tokens):
             return None
         return self._move(seq, DEVICE, CPU)
@@ -174,12 +199,10 @@ class KVBlockManager:
         table = self._tables.get(seq.request_id)
         if table is None or self._tier[seq.request_id] != CPU:
             return False
-        num_tokens = seq.num_computed_tokens + num_new_tokens
-        needed = max(len(table), self.blocks_needed(num_tokens))
-        return needed <= self._pools[DEVICE].num_free
+        return self._blocks_to_move(table, seq.num_computed_tokens + num_new_tokens) <= self._pools[DEVICE].num_free
 
     def swap_in(self, seq: SequenceLike) -> list[tuple[int, int]] | None:
-        """Move the whole table back to the device tier: (cpu_block_id, device_block_id) pairs, or None."""
+        """Move the table's blocks back to the device tier: (cpu_block_id, device_block_id) pairs, or None."""
         if not self.can_swap_in(seq):
             return None
         return self._move(seq, CPU, DEVICE)
@@ -201,17 +224,29 @@ class KVBlockManager:
             parent = known[i] if i < len(known) else hash_block(parent, tokens[i * bs:(i + 1) * bs])
             yield parent
 
+    def _blocks_to_move(self, table: list[Block | None], num_tokens: int) -> int:
+        """Blocks another tier needs for the table's held blocks and its growth to num_tokens slots."""
+        return len(_held(table)) + max(0, self.blocks_needed(num_tokens) - len(table))
+
     def _move(self, seq: SequenceLike, src: str, dst: str) -> list[tuple[int, int]]:
+        """Move the held blocks to fresh ones in dst; placeholders keep their places."""
         rid = seq.request_id
-        old = self._tables[rid]
+        table = self._tables[rid]
+        old = _held(table)
         new = self._pools[dst].allocate(len(old))
         assert new is not None  # the caller checked room
         self._pools[src].free(reversed(old))
-        self._tables[rid] = new
+        moved = iter(new)
+        self._tables[rid] = [None if b is None else next(moved) for b in table]
         self._tier[rid] = dst
         # Fresh device blocks are offered to the cache again once their data is back.
         self._num_registered[rid] = 0
         return [(o.block_id, n.block_id) for o, n in zip(old, new)]
+
+
+def _held(table: Iterable[Block | None]) -> list[Block]:
+    """The blocks a table holds, without the placeholders of freed ones."""
+    return [b for b in table if b is not None]
 
 
 def _salt(seq: SequenceLike) -> str | None:
