@@ -16,7 +16,8 @@ GGUF files come from the sdist's own vendor/llama.cpp/convert_hf_to_gguf.py and
 llama.cpp rows are skipped with the reason. Tandem runs through `tandem bench`.
 
 Decode tok/s here is single-stream greedy decode; the roofline is read bandwidth (torch sum over
-1 GiB) over the bytes of weights one token reads in that system's format. The share of a second
+1 GiB, measured again just before each precision's runs) over the bytes of weights one token reads
+in that system's format. The share of a second
 roofline, from what torch's BLAS GEMV reads (F.linear over 1 GiB), is printed beside it.
 """
 
@@ -261,8 +262,10 @@ def main() -> None:
         if QUANTS[precision][0] == "gguf" and gguf is None:  # Tandem reads its experts from that file
             print(f"[{precision}] skipped: no {LLAMA_NAMES[precision]} file ({gguf_error})", flush=True)
             continue
-        roofline = bandwidth * 1e9 / active_bytes(args.checkpoint, precision, gguf)
-        row = {"precision": precision, "roofline_tok_s": roofline,
+        # measured again next to this row's runs: on a VM it drifts by 10-20% over minutes
+        row_bandwidth = measure_read_bandwidth(threads=args.threads)
+        roofline = row_bandwidth * 1e9 / active_bytes(args.checkpoint, precision, gguf)
+        row = {"precision": precision, "read_bandwidth_gb_s": row_bandwidth, "roofline_tok_s": roofline,
                "gemv_roofline_tok_s": roofline * gemv_bandwidth / bandwidth}
         if "tandem" not in skip:
             row["tandem"] = tandem_bench(args.checkpoint, precision, args, gguf)
@@ -286,7 +289,8 @@ def format_row(row: dict) -> str:
         return f"{r['decode_tok_s']:.1f}" if r and "decode_tok_s" in r else (r or {}).get("error", "-")
 
     t, hf, ll = row.get("tandem"), row.get("transformers"), row.get("llama_cpp")
-    parts = [f"[{row['precision']}] roofline {row['roofline_tok_s']:.1f} tok/s",
+    parts = [f"[{row['precision']}] roofline {row['roofline_tok_s']:.1f} tok/s "
+             f"({row['read_bandwidth_gb_s']:.1f} GB/s just before)",
              f"tandem {tok_s(t)}", f"llama.cpp {tok_s(ll)}", f"transformers {tok_s(hf)}"]
     if t and "decode_tok_s" in t:
         parts.append(f"tandem roofline share {t['decode_tok_s'] / row['roofline_tok_s']:.0%}"
