@@ -72,6 +72,24 @@ def test_native_equals_reference_on_the_same_weights(layers, kernel_module, quan
     assert_kernel_close(got, want, quant, gemm=tokens > ex.prefill_tokens, isa=kernel_module.isa())
 
 
+# Most tokens on one expert, one on each of a few others: the threads' shares of the gate_up rows
+# are cut by work (moe_cpu.cpp's gate_up_ranges), so the cuts fall inside experts, at rows no
+# row-count split would pick. Every thread count must give the reference's numbers, and the same
+# ones to float32 rounding (a row lost or left to no thread would be zeros: far off).
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_skewed_routing_splits_the_work_without_losing_a_row(layers, kernel_module, quant):
+    hidden, _, weights = batch(37, seed=3)
+    ids = torch.tensor([[0, 1 + t % 3] if t < 34 else [4 + t % 4, 7 - t % 4] for t in range(37)])
+    outs = {}
+    for threads in (1, 2, 3, 4):
+        ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=threads)
+        outs[threads] = ex.forward(3, hidden, ids, weights)
+    want = dequantized_reference(ex, 3).forward(3, hidden, ids, weights)
+    for threads, got in outs.items():
+        assert_kernel_close(got, want, quant, isa=kernel_module.isa())
+        torch.testing.assert_close(got, outs[1], rtol=1e-5, atol=1e-5 * outs[1].abs().max().item(), msg=threads)
+
+
 def assert_kernel_close(got, want, quant: str, gemm: bool = False, isa: str = "") -> None:
     """f32 rounding, except int8/int4 rows on SIMD kernels, whose activations are quantized to
     int8 per 32 values as llama.cpp's Q8_0 (rounding error ~0.3% per value, well under 2% after

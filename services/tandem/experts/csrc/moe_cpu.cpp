@@ -277,6 +277,33 @@ static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, 
   return m;
 }
 
+// Where to cut the active experts' gate_up rows (tokens.size() * I of them, in (expert, row) order)
+// into at most `parts` ranges of about equal work, one a thread: a row of an expert with c tokens
+// costs c products plus kRowStream for streaming it from memory (which one or two tokens a step do
+// not hide). Cutting by rows alone left a thread with more tokens' work at a prefill's end (at 64
+// tokens ~15% of the kernel's samples were libgomp waiting). Returns the ranges' bounds, 0 to rows.
+constexpr double kRowStream = 2.0;
+static std::vector<int64_t> gate_up_ranges(const std::vector<int64_t>& tokens, int64_t I, int64_t parts) {
+  const int64_t na = static_cast<int64_t>(tokens.size()), rows = na * I;
+  parts = std::max<int64_t>(1, std::min<int64_t>(parts, rows / 16));  // at least ~16 rows a range
+  double total = 0.0;
+  for (const int64_t c : tokens) total += (static_cast<double>(c) + kRowStream) * static_cast<double>(I);
+  std::vector<int64_t> cuts{0};
+  double before = 0.0;  // the work of the experts before expert a
+  for (int64_t a = 0; a < na; ++a) {
+    const double per_row = static_cast<double>(tokens[a]) + kRowStream, here = per_row * static_cast<double>(I);
+    for (int64_t p = static_cast<int64_t>(cuts.size()); p < parts; ++p) {
+      const double target = total * static_cast<double>(p) / static_cast<double>(parts);
+      if (target >= before + here) break;  // that cut falls in a later expert
+      const int64_t row = a * I + static_cast<int64_t>((target - before) / per_row);
+      if (row > cuts.back() && row < rows) cuts.push_back(row);
+    }
+    before += here;
+  }
+  cuts.push_back(rows);
+  return cuts;
+}
+
 // out [T, H] f32 = sum over each token's k experts of weight * down(silu(gate x) * up x).
 // scratch: f32 with at least T*k*I elements (the activations between the two projections).
 void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, int64_t kind, int64_t group,
@@ -344,10 +371,14 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   // gate_up: rows j and I + j of each active expert give activation j of its tokens. A thread
   // takes its rows one expert at a time and walks the two halves of them in lockstep: four
   // weight streams (see row_dot4). The results of kRun row pairs are kept, then go through
-  // SiLU together, a vector at a time.
+  // SiLU together, a vector at a time. The threads' ranges are cut by work, not by rows
+  // (gate_up_ranges): an expert's row costs its tokens' products, and the experts' token counts differ.
   const SiluMul silu_mul = silu_mul_for_isa();
   constexpr int64_t kRun = 16;
-  at::parallel_for(0, na * I, 16, [&](int64_t r0, int64_t r1) {
+  std::vector<int64_t> tokens_of(na);
+  for (int64_t ai = 0; ai < na; ++ai) tokens_of[ai] = begin[active[ai] + 1] - begin[active[ai]];
+  // Rows [r0, r1) of the active experts' gate_up, in (expert, row) order.
+  auto gate_up_range = [&](int64_t r0, int64_t r1) {
     // [4][kRun][most]: gate and up of the first half's rows, then of the second half's
     std::vector<float> buf(4 * kRun * most), g(kRun), u(kRun);
     float* const part[4] = {buf.data(), buf.data() + kRun * most, buf.data() + 2 * kRun * most,
@@ -385,6 +416,10 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
       }
       s0 = s1;
     }
+  };
+  const std::vector<int64_t> cuts = gate_up_ranges(tokens_of, I, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(cuts.size()) - 1, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) gate_up_range(cuts[p], cuts[p + 1]);
   });
   if (n > 0) act_rows.fill(act, identity, I, g, kind, quantize_act);
 
