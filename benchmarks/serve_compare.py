@@ -282,6 +282,8 @@ def main() -> None:
                     help="alternate the servers this many times, all of them up; report medians (see measure_precision)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     streams = [int(s) for s in args.streams.split(",")]
     precisions = args.precisions.split(",")
     if unknown := set(precisions) - set(TANDEM_QUANTS):

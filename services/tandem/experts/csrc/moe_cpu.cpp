@@ -280,8 +280,9 @@ static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, 
 // Where to cut the active experts' gate_up rows (tokens.size() * I of them, in (expert, row) order)
 // into at most `parts` ranges of about equal work, one a thread: a row of an expert with c tokens
 // costs c products plus kRowStream for streaming it from memory (which one or two tokens a step do
-// not hide). Cutting by rows alone left a thread with more tokens' work at a prefill's end (at 64
-// tokens ~15% of the kernel's samples were libgomp waiting). Returns the ranges' bounds, 0 to rows.
+// not hide). Cut by rows alone, expert after expert, routing that favours some experts left one
+// thread most of the products (3/4 of them at 256 tokens with expert e drawn as 1 / (e + 1)).
+// Returns the ranges' bounds, 0 to rows.
 constexpr double kRowStream = 2.0;
 static std::vector<int64_t> gate_up_ranges(const std::vector<int64_t>& tokens, int64_t I, int64_t parts) {
   const int64_t na = static_cast<int64_t>(tokens.size()), rows = na * I;
