@@ -279,20 +279,22 @@ static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, 
 
 // Where to cut the active experts' gate_up rows (tokens.size() * I of them, in (expert, row) order)
 // into at most `parts` ranges of about equal work, one a thread: a row of an expert with c tokens
-// costs c products plus kRowStream for streaming it from memory (which one or two tokens a step do
-// not hide). Cut by rows alone, expert after expert, routing that favours some experts left one
-// thread most of the products (3/4 of them at 256 tokens with expert e drawn as 1 / (e + 1)).
-// Returns the ranges' bounds, 0 to rows.
-constexpr double kRowStream = 2.0;
+// costs c products, or its stream from memory where that takes longer (the products overlap the
+// stream: a row of 1024 int8 weights streams in ~90 ns on one of two cores sharing ~23 GB/s, the
+// time of ~3 tokens' products), so decode's few tokens an expert still cut by rows. Cut by rows
+// alone, expert after expert, routing that favours some experts left one thread most of a prefill's
+// products (3/4 of them at 256 tokens with expert e drawn as 1 / (e + 1)). Returns the bounds.
+constexpr double kRowStream = 3.0;
 static std::vector<int64_t> gate_up_ranges(const std::vector<int64_t>& tokens, int64_t I, int64_t parts) {
   const int64_t na = static_cast<int64_t>(tokens.size()), rows = na * I;
   parts = std::max<int64_t>(1, std::min<int64_t>(parts, rows / 16));  // at least ~16 rows a range
   double total = 0.0;
-  for (const int64_t c : tokens) total += (static_cast<double>(c) + kRowStream) * static_cast<double>(I);
+  for (const int64_t c : tokens) total += std::max(static_cast<double>(c), kRowStream) * static_cast<double>(I);
   std::vector<int64_t> cuts{0};
   double before = 0.0;  // the work of the experts before expert a
   for (int64_t a = 0; a < na; ++a) {
-    const double per_row = static_cast<double>(tokens[a]) + kRowStream, here = per_row * static_cast<double>(I);
+    const double per_row = std::max(static_cast<double>(tokens[a]), kRowStream);
+    const double here = per_row * static_cast<double>(I);
     for (int64_t p = static_cast<int64_t>(cuts.size()); p < parts; ++p) {
       const double target = total * static_cast<double>(p) / static_cast<double>(parts);
       if (target >= before + here) break;  // that cut falls in a later expert
@@ -373,7 +375,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   // takes its rows one expert at a time and walks the two halves of them in lockstep: four
   // weight streams (see row_dot4). The results of kRun row pairs are kept, then go through
   // SiLU together, a vector at a time. The threads' ranges are cut by work, not by rows
-  // (gate_up_ranges): an expert's row costs its tokens' products, and the experts' token counts differ.
+  // (gate_up_ranges): a prefill's experts differ in tokens, and so in products a row.
   const SiluMul silu_mul = silu_mul_for_isa();
   constexpr int64_t kRun = 16;
   std::vector<int64_t> tokens_of(na);
