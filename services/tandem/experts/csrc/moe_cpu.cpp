@@ -288,13 +288,13 @@ constexpr double kRowStream = 3.0;
 static std::vector<int64_t> gate_up_ranges(const std::vector<int64_t>& tokens, int64_t I, int64_t parts) {
   const int64_t na = static_cast<int64_t>(tokens.size()), rows = na * I;
   parts = std::max<int64_t>(1, std::min<int64_t>(parts, rows / 16));  // at least ~16 rows a range
+  const auto row_cost = [](int64_t c) { return std::max(static_cast<double>(c), kRowStream); };
   double total = 0.0;
-  for (const int64_t c : tokens) total += std::max(static_cast<double>(c), kRowStream) * static_cast<double>(I);
+  for (const int64_t c : tokens) total += row_cost(c) * static_cast<double>(I);
   std::vector<int64_t> cuts{0};
   double before = 0.0;  // the work of the experts before expert a
   for (int64_t a = 0; a < na; ++a) {
-    const double per_row = std::max(static_cast<double>(tokens[a]), kRowStream);
-    const double here = per_row * static_cast<double>(I);
+    const double per_row = row_cost(tokens[a]), here = per_row * static_cast<double>(I);
     for (int64_t p = static_cast<int64_t>(cuts.size()); p < parts; ++p) {
       const double target = total * static_cast<double>(p) / static_cast<double>(parts);
       if (target >= before + here) break;  // that cut falls in a later expert
