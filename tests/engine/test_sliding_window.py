@@ -1,6 +1,7 @@
 """A sliding-window model frees the KV blocks that fall out of its window as a sequence goes (as vLLM
 does): greedy generation of prompts several windows long still equals transformers' `generate`, on the
-native decode path and the torch one, on the device tier and the CPU tier, while each sequence holds
+native decode path and the torch one, on the device tier and the CPU tier, and on CUDA (the Triton
+decode kernel, replayed from CUDA graphs or eager; skipped without a GPU), while each sequence holds
 about window / block_size blocks rather than its whole length."""
 
 from __future__ import annotations
@@ -31,10 +32,15 @@ def reference(model_dir):
     return [hf_greedy(model_dir, prompt, GREEDY.max_tokens)[0] for prompt in PROMPTS]
 
 
-@pytest.fixture(params=["native", "torch"])
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(params=["native", "torch", pytest.param("cuda_graphs", marks=cuda),
+                        pytest.param("cuda_eager", marks=cuda)])
 def path(request, monkeypatch):
     """Which decode path runs: the native decode layer, or torch ops for every attention (paged decode
-    attention included: its native kernel reads only the window, torch's gathers every block)."""
+    attention included: its native kernel reads only the window, torch's gathers every block); on
+    CUDA, the Triton decode kernel from CUDA graphs or launched eagerly, and the torch prefill."""
     if request.param == "torch":
         monkeypatch.setattr(attention, "_native_decode", False)
     return request.param
@@ -42,10 +48,12 @@ def path(request, monkeypatch):
 
 def engine(model_dir, path: str, **config) -> LLMEngine:
     # Chunked prefill (16-token chunks), and no prefix cache: every free block is nobody's (see watch).
+    on_cuda = path.startswith("cuda")
     config = EngineConfig(block_size=BS, max_num_batched_tokens=16, max_model_len=128, enable_prefix_caching=False,
-                          **config)
-    e = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="float32", config=config)
+                          enforce_eager=path != "cuda_graphs", **config)
+    e = LLMEngine.from_pretrained(model_dir, device="cuda" if on_cuda else "cpu", dtype="float32", config=config)
     e.model.native_decode = path == "native"
+    assert (e.runner.graphs is not None) == (path == "cuda_graphs")
     return e
 
 
@@ -77,6 +85,8 @@ def test_tokens_equal_transformers_while_each_sequence_holds_only_its_window(mod
     # Without freeing, the sequences would hold 16 + 15 + 12 blocks by their end.
     assert max(s[DEVICE] for s in seen) <= len(PROMPTS) * HELD
     assert (e.model.native_path is not None) == (path == "native")
+    if path == "cuda_graphs":  # every decode step replayed a graph
+        assert e.runner.graphs.steps >= GREEDY.max_tokens - 1
     assert e.stats().kv_blocks_used == {DEVICE: 0, CPU: 0}
 
 
