@@ -90,6 +90,36 @@ def test_skewed_routing_splits_the_work_without_losing_a_row(layers, kernel_modu
         torch.testing.assert_close(got, outs[1], rtol=1e-5, atol=1e-5 * outs[1].abs().max().item(), msg=threads)
 
 
+# The threads take each parallel region's work in chunks as they come free (moe_cpu.cpp's
+# parallel_chunks): from one range a thread to 64 chunks a thread, the cut must give the
+# reference's numbers, and the same ones to float32 rounding (a row lost at a chunk's bound would
+# be zeros, one computed twice into the down sums twice its value: far off either way).
+@pytest.mark.parametrize("tokens", [1, 16, 31])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_every_cut_into_chunks_gives_the_same_numbers(layers, kernel_module, quant, tokens):
+    ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2)
+    hidden, ids, weights = batch(tokens, seed=4)
+    before, outs = kernel_module.chunks_per_thread(), {}
+    try:
+        for chunks in (1, 3, 8, 64):
+            kernel_module.set_chunks_per_thread(chunks)
+            outs[chunks] = ex.forward(3, hidden, ids, weights)
+    finally:
+        kernel_module.set_chunks_per_thread(before)
+    assert_kernel_close(outs[1], dequantized_reference(ex, 3).forward(3, hidden, ids, weights), quant,
+                        isa=kernel_module.isa())
+    for chunks, got in outs.items():
+        torch.testing.assert_close(got, outs[1], rtol=1e-5, atol=1e-5 * outs[1].abs().max().item(), msg=chunks)
+
+
+def test_chunks_per_thread_out_of_range_are_refused(kernel_module):
+    before = kernel_module.chunks_per_thread()
+    for bad in (0, 65):
+        with pytest.raises(RuntimeError, match="chunks per thread must be in 1..64"):
+            kernel_module.set_chunks_per_thread(bad)
+    assert kernel_module.chunks_per_thread() == before
+
+
 def assert_kernel_close(got, want, quant: str, gemm: bool = False, isa: str = "") -> None:
     """f32 rounding, except int8/int4 rows on SIMD kernels, whose activations are quantized to
     int8 per 32 values as llama.cpp's Q8_0 (rounding error ~0.3% per value, well under 2% after

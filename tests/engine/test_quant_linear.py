@@ -98,6 +98,26 @@ def test_native_linear_in_float_storage_equals_f_linear(kernel_module, dtype, ki
     torch.testing.assert_close(out, F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
 
 
+# 2,113 rows cut into chunks the threads take as they come free (moe_cpu.cpp's parallel_chunks):
+# from one range a thread to 64 chunks a thread, every row lands in its place (F.linear's): a row
+# lost at a chunk's bound would stay NaN.
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_native_linear_cut_into_chunks_computes_every_row(kernel_module, tokens):
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(2113, 96, generator=g), torch.randn(tokens, 96, generator=g)
+    before_chunks, before_threads = kernel_module.chunks_per_thread(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for chunks in (1, 3, 8, 64):
+            kernel_module.set_chunks_per_thread(chunks)
+            out = torch.full((tokens, 2113), float("nan"))
+            kernel_module.linear_forward(x, 0, w, torch.empty(0), out)
+            torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4, msg=f"{chunks} chunks")
+    finally:
+        kernel_module.set_chunks_per_thread(before_chunks)
+        torch.set_num_threads(before_threads)
+
+
 def test_native_linear_refuses_bad_shapes(kernel_module):
     with pytest.raises(RuntimeError, match="out must be"):
         kernel_module.linear_forward(torch.randn(2, 8), 0, torch.randn(4, 8), torch.empty(0), torch.empty(2, 5))

@@ -1,9 +1,9 @@
 // Fused routed-expert forward on the CPU: for the experts a token batch touches,
 // gate_up row pairs -> silu(gate) * up, then down rows, with weights read once per step.
 //
-// As in llama.cpp and KTransformers, the work is split over output rows (at::parallel_for,
-// so it uses torch's thread count) and each row is streamed once for every token routed to
-// its expert. The SIMD width is chosen at run time (__builtin_cpu_supports): AVX-512 where
+// As in llama.cpp and KTransformers, the work is split over output rows (in chunks that torch's
+// threads take as they come free: parallel_chunks) and each row is streamed once for every token
+// routed to its expert. The SIMD width is chosen at run time (__builtin_cpu_supports): AVX-512 where
 // present, else AVX2 + FMA + F16C, else plain C++.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -14,6 +14,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,6 +24,50 @@
 namespace tandem {
 
 constexpr int kTile = 4;  // tokens multiplied per weight-row read
+
+// Chunks a parallel region's work is cut into, per thread: the threads take them in turn as
+// they finish, so a thread that runs slower (a vCPU its hypervisor shares, a core further from
+// the memory) takes fewer, where cutting one range a thread left the others waiting at the
+// region's end for it (a decode step at 8 streams waited ~1/5 of one thread's time so). 1 is
+// that one range a thread; set_chunks_per_thread changes it (benchmarks/work_chunks.py).
+static std::atomic<int64_t> g_chunks_per_thread{8};
+
+static void set_chunks_per_thread(int64_t chunks) {
+  TORCH_CHECK(chunks >= 1 && chunks <= 64, "chunks per thread must be in 1..64, got ", chunks);
+  g_chunks_per_thread.store(chunks, std::memory_order_relaxed);
+}
+
+static int64_t chunks_per_thread() { return g_chunks_per_thread.load(std::memory_order_relaxed); }
+
+// fn(c) for c in [0, chunks), chunk by chunk to the threads as they come free (chunk order
+// within a thread is ascending). On one thread, or inside a parallel region, in order here.
+template <class F>
+static void parallel_chunks(int64_t chunks, const F& fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t c = 0; c < chunks; ++c) fn(c);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) fn(c);
+  });
+}
+
+// Chunk c of n, of [0, size), its bounds on multiples of `align` (the last takes the rest).
+static inline std::pair<int64_t, int64_t> chunk_bounds(int64_t c, int64_t n, int64_t size, int64_t align) {
+  const auto at = [&](int64_t i) { return i >= n ? size : std::min(size, size * i / n / align * align); };
+  return {at(c), at(c + 1)};
+}
+
+// Chunks for `size` weight rows that each multiply `tokens` activation rows: chunks_per_thread()
+// a thread where each chunk keeps at least 8 x tokens rows (at least 16), since every chunk reads
+// all the activations again (a prefill's 64 tokens an expert are ~0.2 MB of Q8 activations at
+// down's 2,816 columns), else as many as that leaves, down to one a thread (16 rows at least).
+static inline int64_t num_chunks(int64_t size, int64_t tokens) {
+  const int64_t threads = at::get_num_threads(), rows = std::max<int64_t>(16, 8 * tokens);
+  return std::max<int64_t>({1, std::min(threads, size / 16), std::min(threads * chunks_per_thread(), size / rows)});
+}
 
 // One projection's stacked weights [E, rows, K] in one storage format.
 struct Mat {
@@ -278,12 +323,13 @@ static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, 
 }
 
 // Where to cut the active experts' gate_up rows (tokens.size() * I of them, in (expert, row) order)
-// into at most `parts` ranges of about equal work, one a thread: a row of an expert with c tokens
-// costs c products, or its stream from memory where that takes longer (the products overlap the
-// stream: a row of 1024 int8 weights streams in ~90 ns on one of two cores sharing ~23 GB/s, the
-// time of ~3 tokens' products), so decode's few tokens an expert still cut by rows. Cut by rows
-// alone, expert after expert, routing that favours some experts left one thread most of a prefill's
-// products (3/4 of them at 256 tokens with expert e drawn as 1 / (e + 1)). Returns the bounds.
+// into at most `parts` ranges of about equal work, the chunks the threads take (parallel_chunks):
+// a row of an expert with c tokens costs c products, or its stream from memory where that takes
+// longer (the products overlap the stream: a row of 1024 int8 weights streams in ~90 ns on one of
+// two cores sharing ~23 GB/s, the time of ~3 tokens' products), so decode's few tokens an expert
+// still cut by rows. Cut by rows alone, expert after expert, routing that favours some experts
+// left one thread most of a prefill's products (3/4 of them at 256 tokens with expert e drawn as
+// 1 / (e + 1)). Returns the bounds.
 constexpr double kRowStream = 3.0;
 static std::vector<int64_t> gate_up_ranges(const std::vector<int64_t>& tokens, int64_t I, int64_t parts) {
   const int64_t na = static_cast<int64_t>(tokens.size()), rows = na * I;
@@ -420,17 +466,17 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
       s0 = s1;
     }
   };
-  const std::vector<int64_t> cuts = gate_up_ranges(tokens_of, I, at::get_num_threads());
-  at::parallel_for(0, static_cast<int64_t>(cuts.size()) - 1, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) gate_up_range(cuts[p], cuts[p + 1]);
-  });
+  const std::vector<int64_t> cuts = gate_up_ranges(tokens_of, I, at::get_num_threads() * chunks_per_thread());
+  parallel_chunks(static_cast<int64_t>(cuts.size()) - 1, [&](int64_t p) { gate_up_range(cuts[p], cuts[p + 1]); });
   if (n > 0) act_rows.fill(act, identity, I, g, kind, quantize_act);
 
-  // down: each thread owns a range of output columns, so accumulation needs no atomics; it
-  // walks the four quarters of its range in lockstep, expert by expert.
+  // down: each chunk is a range of output columns, so accumulation needs no atomics; a thread
+  // walks the four quarters of its chunk in lockstep, expert by expert.
   float* o = out.data_ptr<float>();
   std::memset(o, 0, sizeof(float) * T * H);
-  at::parallel_for(0, H, 16, [&](int64_t h0, int64_t h1) {
+  const int64_t down_chunks = num_chunks(H, most);
+  parallel_chunks(down_chunks, [&](int64_t chunk) {
+    const auto [h0, h1] = chunk_bounds(chunk, down_chunks, H, 16);
     std::vector<float> buf(4 * most);
     const int64_t q = (h1 - h0) / 4;
     for (int64_t e : active) {
@@ -506,8 +552,10 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
     const int64_t N = mats[seg].rows;
     for (int64_t t = 0; t < T; ++t) o[seg][t * N + row] = v[t];
   };
-  // Each thread walks the four quarters of its rows in lockstep (four weight streams; see row_dot4).
-  at::parallel_for(0, first_row[S], 16, [&](int64_t g0, int64_t g1) {
+  // A thread walks the four quarters of its chunk's rows in lockstep (four weight streams; see row_dot4).
+  const int64_t chunks = num_chunks(first_row[S], T);
+  parallel_chunks(chunks, [&](int64_t chunk) {
+    const auto [g0, g1] = chunk_bounds(chunk, chunks, first_row[S], 16);
     std::vector<float> buf(4 * T);
     float* const res[4] = {buf.data(), buf.data() + T, buf.data() + 2 * T, buf.data() + 3 * T};
     const int64_t q = (g1 - g0) / 4;
@@ -552,6 +600,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &tandem::set_isa, "force an instruction set: scalar, avx2 or avx512");
   m.def("isa", [] { return tandem::g_isa; }, "the instruction set in use");
   m.def("supported_isas", &tandem::supported_isas, "instruction sets this CPU can run");
+  m.def("set_chunks_per_thread", &tandem::set_chunks_per_thread,
+        "chunks a parallel region's work is cut into per thread, taken as threads come free (1..64)");
+  m.def("chunks_per_thread", &tandem::chunks_per_thread, "see set_chunks_per_thread");
   tandem::bind_decode_layer(m);
   tandem::bind_data_plane(m);
 }
