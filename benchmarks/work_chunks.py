@@ -4,13 +4,15 @@ checkpoint.
 
     python benchmarks/work_chunks.py [--checkpoint DIR] [--chunks 1,8] [--expert-quant int8] [--dense-quant int8]
                                      [--streams 8] [--prompt-len 32] [--rounds 7] [--threads 2]
+                                     [--device cpu|cuda] [--dtype float32]
 
 Each round runs every `--chunks` setting (tandem_moe_cpu.set_chunks_per_thread) once, in turn:
 `--streams` prompts of `--prompt-len` tokens prefilled as one batch, then a 30-step decode window of
 `--streams` sequences. Prints each setting's median prefill and decode step time and the median of
 the rounds' ratios to the first setting (below 1: faster). A noisy VM's drift falls on both
-settings of a round alike, which single runs of two builds cannot give. Not a test: for
-benchmarks/RESULTS.md.
+settings of a round alike, which single runs of two builds cannot give. With `--device cuda` the
+attention runs on the GPU and the routed experts on this machine's cores (the hybrid path). Not a
+test: for benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     settings = [int(c) for c in args.chunks.split(",")]
 
@@ -47,8 +51,9 @@ def main() -> None:
     kernel = native.load_kernel()
     if kernel is None:
         raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
-    engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype="float32", expert_threads=args.threads,
-                                       expert_quant=args.expert_quant, dense_quant=args.dense_quant,
+    engine = LLMEngine.from_pretrained(args.checkpoint, device=args.device, dtype=args.dtype,
+                                       expert_threads=args.threads, expert_quant=args.expert_quant,
+                                       dense_quant=args.dense_quant,
                                        config=EngineConfig(max_num_seqs=args.streams))
     torch.manual_seed(0)
     vocab = engine.model.cfg.vocab_size
@@ -88,7 +93,7 @@ def main() -> None:
                 engine.step()
     base = settings[0]
     print(f"{args.expert_quant} experts, {args.dense_quant} dense, {args.threads} threads, {args.streams} streams, "
-          f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f}")
+          f"{args.rounds} rounds, {args.device}; load average {os.getloadavg()[0]:.1f}")
     for c in settings:
         row = []
         for phase, unit in (("prefill", "ms"), ("decode", "ms a step")):
