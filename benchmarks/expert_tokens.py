@@ -71,5 +71,6 @@ def main() -> None:
             cells.append(f"{b} / {a}: {statistics.median(y / x for x, y in zip(passes[a], passes[b])):.3f}x")
         print(f"  {n:4d} tokens: " + "; ".join(cells), flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ test: for benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -57,7 +58,7 @@ def main() -> None:
                                        config=EngineConfig(max_num_seqs=args.streams))
     torch.manual_seed(0)
     vocab = engine.model.cfg.vocab_size
-    serial = iter(range(1 << 30))
+    serial = itertools.count()
 
     def add(n: int, max_tokens: int) -> None:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
