@@ -29,10 +29,11 @@ def tokens(n: int, start: int = 0) -> list[int]:
 
 
 def state(bm: KVBlockManager) -> tuple:
-    """Everything observable, to compare before and after a refused call."""
+    """Everything observable, to compare before and after a refused call (None: a block freed
+    before a sliding window, its place kept)."""
     return (bm.num_free_blocks(DEVICE), bm.num_free_blocks(CPU),
             bm._pools[DEVICE].free_block_ids(), bm._pools[CPU].free_block_ids(),
-            {rid: [b.block_id for b in t] for rid, t in bm._tables.items()},
+            {rid: [None if b is None else b.block_id for b in t] for rid, t in bm._tables.items()},
             [b.ref_count for b in bm._pools[DEVICE].blocks], bm.prefix_cache_hit_tokens)
 
 
