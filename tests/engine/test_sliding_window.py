@@ -11,6 +11,7 @@ import torch
 
 from tandem.engine.llm_engine import EngineConfig, LLMEngine
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import SchedulerConfig
 from tandem.kv import attention
 from tandem.kv.cache import CPU, DEVICE
 from test_parity import hf_greedy, prompt_for
@@ -128,3 +129,45 @@ def test_a_prefix_the_window_freed_is_still_a_prefix_cache_hit(model_dir, refere
     [again] = e.generate(PROMPTS[:1], GREEDY)
     assert first.token_ids == again.token_ids == reference[0]
     assert again.num_cached_tokens == 36  # the prompt's 9 full blocks, from block 0 on, freed but cached
+
+
+# A sequence holds the window's keys and a step's new tokens (here a 16-token prefill chunk): 7
+# blocks of 4 at most, against max_model_len's 32. The device tier need only hold that much, and
+# the engine sizes it so (7 blocks a sequence) when nothing sets it.
+HELD_AT_ONCE = (WINDOW - 1 + 16 + BS - 2) // BS + 1
+
+
+def test_a_device_tier_of_a_window_serves_sequences_longer_than_it(model_dir, reference):
+    e = engine(model_dir, "native", num_device_blocks=HELD_AT_ONCE, num_cpu_blocks=0)
+    seen = watch(e)
+    assert [c.token_ids for c in e.generate(PROMPTS, GREEDY)] == reference  # 64, 57 and 45 tokens in 28
+    assert max(s[DEVICE] for s in seen) <= HELD_AT_ONCE
+    assert e.stats().kv_blocks_used == {DEVICE: 0, CPU: 0}
+    with pytest.raises(ValueError, match=rf"holds {BS * (HELD_AT_ONCE - 1)} tokens and the CPU tier 0, fewer than "
+                                         rf"the {BS * HELD_AT_ONCE} a sequence holds at once with its sliding window "
+                                         r"of 8 \(of max_model_len=128, .*\); lower max_num_batched_tokens"):
+        engine(model_dir, "native", num_device_blocks=HELD_AT_ONCE - 1, num_cpu_blocks=0)
+
+
+def test_the_engine_gives_the_device_tier_what_its_sequences_can_hold(model_dir):
+    e = engine(model_dir, "native", max_num_seqs=3, num_cpu_blocks=0)
+    assert e.block_manager.num_total_blocks(DEVICE) == 3 * HELD_AT_ONCE
+    # Prefill chunks of up to 2,048 tokens (the default) can hold a whole sequence's 128 at once.
+    unchunked = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="float32",
+                                          config=EngineConfig(block_size=BS, max_model_len=128, max_num_seqs=3))
+    assert unchunked.block_manager.num_total_blocks(DEVICE) == 3 * 128 // BS
+
+
+def test_the_blocks_a_sequence_holds_are_counted_as_the_scheduler_frees_them():
+    # Before a step at position p, a sequence holds the blocks of p - window + 1 .. p - 1 (Scheduler
+    # frees those before) and takes those of the step's new tokens p .. p + step - 1: the most over
+    # every p, counted block by block, is what max_blocks_held says (one block more or less fails).
+    for window, step, bs, steps in [(8, 16, 4, 1), (8, 1, 4, 1), (4096, 2048, 16, 1), (5, 3, 4, 8), (1, 1, 16, 1)]:
+        config = SchedulerConfig(max_model_len=1 << 20, max_num_batched_tokens=step, sliding_window=window,
+                                 num_scheduler_steps=steps)
+        new = max(step, steps)
+        most = max(((p + new - 1) // bs) - (max(p - window + 1, 0) // bs) + 1 for p in range(window, window + 4 * bs))
+        assert config.max_blocks_held(bs) == most, (window, step, bs)
+    # At most the whole length's blocks, and without a window exactly those.
+    assert SchedulerConfig(max_model_len=100, max_num_batched_tokens=64, sliding_window=90).max_blocks_held(16) == 7
+    assert SchedulerConfig(max_model_len=100).max_blocks_held(16) == 7

@@ -6,7 +6,6 @@ Synchronous and single-threaded: `tandem.rpc` drives it from one thread.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -53,13 +52,8 @@ class LLMEngine:
         num_device, num_cpu = self._num_blocks(layout)
         # Bookkeeping first: tiers too small for the limits are refused before any memory is taken.
         self.block_manager = KVBlockManager(num_device, num_cpu, config.block_size, config.enable_prefix_caching)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, max_waiting=config.max_waiting, cpu_decode=config.cpu_decode,
-            num_scheduler_steps=config.num_scheduler_steps, policy=config.scheduling_policy,
-            sliding_window=cfg.sliding_window)
         try:
-            self.scheduler = Scheduler(scheduler_config, self.block_manager, set(cfg.eos_token_ids))
+            self.scheduler = Scheduler(self._scheduler_config(), self.block_manager, set(cfg.eos_token_ids))
         except ValueError as exc:  # tiers too small: say which settings made them so
             raise ValueError(f"{exc} ({self._tier_sizes(layout, num_device, num_cpu)})") from None
         self.cache = KVCache(layout, config.block_size, num_device, num_cpu, device, config.kv_shm_path)
@@ -108,11 +102,19 @@ class LLMEngine:
                               experts_gguf=experts_gguf)
         return cls(model, load_tokenizer(model_dir), device, config, ChatTemplate(model_dir))
 
+    def _scheduler_config(self) -> SchedulerConfig:
+        c = self.config
+        return SchedulerConfig(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=self.max_model_len, max_waiting=c.max_waiting, cpu_decode=c.cpu_decode,
+            num_scheduler_steps=c.num_scheduler_steps, policy=c.scheduling_policy,
+            sliding_window=self.model_config.sliding_window)
+
     def _num_blocks(self, layout: KVLayout) -> tuple[int, int]:
         c = self.config
         per_block = layout.bytes_per_block(c.block_size)
-        # More blocks than every sequence at full length could use is memory for nothing.
-        useful = math.ceil(self.max_model_len / c.block_size) * c.max_num_seqs
+        # More blocks than every sequence could hold at once is memory for nothing.
+        useful = self._scheduler_config().max_blocks_held(c.block_size) * c.max_num_seqs
         if c.num_device_blocks is not None:
             device = c.num_device_blocks
         elif self.device.type == "cuda":

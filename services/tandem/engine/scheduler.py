@@ -33,7 +33,8 @@ CPU-tier sequence when the CPU tier is full.
 
 With a sliding window (every layer of the model attending to the last `sliding_window` keys), a
 sequence's blocks that fall out of the window are freed as it goes (vLLM does the same): a long
-sequence holds about window / block_size blocks, not its whole length.
+sequence holds about window / block_size blocks, not its whole length, and the device tier need
+only hold that much (SchedulerConfig.max_blocks_held), not max_model_len.
 
 A request for n completions (SamplingParams.n) is n sequences that share its prompt. The first
 is queued as any request; with prefix caching the others are held until its prompt is computed,
@@ -94,6 +95,17 @@ class SchedulerConfig:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"SchedulerConfig.policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
+    def max_blocks_held(self, block_size: int) -> int:
+        """The most KV blocks one sequence holds at once: its whole length's, or with a sliding
+        window, whose blocks are freed as the sequence goes (Scheduler._computed), those of the
+        window's keys before a step (window - 1 positions) and of the step's new tokens (a prefill
+        chunk, or a multi-step run), a span that can start and end inside a block."""
+        whole = -(-self.max_model_len // block_size)
+        if self.sliding_window is None:
+            return whole
+        span = self.sliding_window - 1 + max(self.max_num_batched_tokens, self.num_scheduler_steps)
+        return min(whole, (span + block_size - 2) // block_size + 1)
+
 
 @dataclass
 class ScheduledSeq:
@@ -144,16 +156,22 @@ class Scheduler:
         size = block_manager.block_size
         device = block_manager.num_total_blocks(DEVICE) * size
         cpu = block_manager.num_total_blocks(CPU) * size
-        if config.cpu_decode and cpu >= config.max_model_len:
+        held = config.max_blocks_held(size) * size  # a sliding window's sequence needs less than its length
+        if config.cpu_decode and cpu >= held:
             # A sequence outgrowing the device tier moves to the CPU tier; its first chunk must fit the device.
-            if device < min(config.max_model_len, config.max_num_batched_tokens):
+            if device < min(held, config.max_num_batched_tokens):
                 raise ValueError(f"the device KV tier holds {device} tokens, fewer than one prefill chunk "
                                  f"(max_num_batched_tokens={config.max_num_batched_tokens}); give it more blocks")
-        elif device < config.max_model_len:
+        elif device < held:
             # Otherwise a long sequence alone could outgrow the device tier and never finish.
             hint = f" and the CPU tier {cpu}" if config.cpu_decode else ""
-            raise ValueError(f"the device KV tier holds {device} tokens{hint}, fewer than max_model_len="
-                             f"{config.max_model_len}; lower max_model_len or give the KV cache more blocks")
+            need, lower = f"max_model_len={config.max_model_len}", "max_model_len"
+            if held < config.max_model_len:
+                need = (f"the {held} a sequence holds at once with its sliding window of {config.sliding_window} "
+                        f"(of {need}, in chunks of max_num_batched_tokens={config.max_num_batched_tokens})")
+                lower = "max_num_batched_tokens"
+            raise ValueError(f"the device KV tier holds {device} tokens{hint}, fewer than {need}; "
+                             f"lower {lower} or give the KV cache more blocks")
         self.config = config
         self.block_manager = block_manager
         self._device = block_manager.num_total_blocks(DEVICE)
