@@ -1,7 +1,8 @@
 """Tandem against HF transformers `generate` and llama.cpp, in one go, on one machine and checkpoint.
 
     python benchmarks/compare.py [--checkpoint DIR] [--prompt-len 32] [--gen-len 64] [--threads 2]
-                                 [--precisions f32,bf16,int8,int4] [--concurrency 1,4,8] [--json out.json]
+                                 [--precisions f32,bf16,int8,int4] [--concurrency 1,4,8] [--rounds 1]
+                                 [--json out.json]
 
 Each system runs in its own process (so one's memory never slows another) on the same
 Mixtral-architecture checkpoint (made by make_checkpoint.py when absent: ~1.8 GB f32), at equal
@@ -27,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -223,6 +225,9 @@ def main() -> None:
     ap.add_argument("--precisions", default="f32,bf16,int8,int4")
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--skip", default="", help="comma-separated: hf, llama, tandem")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of each precision's systems, one after another; with more than one, the row is "
+                         "the median round and the medians of the rounds' ratios")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
@@ -262,26 +267,67 @@ def main() -> None:
         if QUANTS[precision][0] == "gguf" and gguf is None:  # Tandem reads its experts from that file
             print(f"[{precision}] skipped: no {LLAMA_NAMES[precision]} file ({gguf_error})", flush=True)
             continue
-        # measured again next to this row's runs: on a VM it drifts by 10-20% over minutes
-        row_bandwidth = measure_read_bandwidth(threads=args.threads)
-        roofline = row_bandwidth * 1e9 / active_bytes(args.checkpoint, precision, gguf)
-        row = {"precision": precision, "read_bandwidth_gb_s": row_bandwidth, "roofline_tok_s": roofline,
-               "gemv_roofline_tok_s": roofline * gemv_bandwidth / bandwidth}
-        if "tandem" not in skip:
-            row["tandem"] = tandem_bench(args.checkpoint, precision, args, gguf)
-        if precision in HF_PRECISIONS and "hf" not in skip:
-            row["transformers"] = run_worker("hf", args.checkpoint, DTYPES.get(precision, "float32"),
-                                             args.prompt_len, args.gen_len, args.threads)
-        if gguf is not None:
-            row["llama_cpp"] = run_worker("llama", gguf, args.prompt_len, args.gen_len, args.threads)
-            row["llama_cpp"]["format"] = LLAMA_NAMES[precision]
-        elif not llama_skip:
-            row["llama_cpp"] = {"error": gguf_error}
+        rounds = [measure_round(args, precision, gguf, gguf_error, llama_skip, skip, gemv_bandwidth / bandwidth)
+                  for _ in range(args.rounds)]
+        row = combine_rounds(rounds)
         report["rows"].append(row)
         print(format_row(row), flush=True)
     report["load_average_after"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
+
+
+def measure_round(args, precision: str, gguf: Path | None, gguf_error: str | None, llama_skip: str | None,
+                  skip: set, gemv_factor: float) -> dict:
+    """One round of a precision's row: the read bandwidth, then each system once, one after another."""
+    from tandem.bench import measure_read_bandwidth
+
+    # measured again next to this round's runs: on a VM it drifts by 10-20% over minutes
+    row_bandwidth = measure_read_bandwidth(threads=args.threads)
+    roofline = row_bandwidth * 1e9 / active_bytes(args.checkpoint, precision, gguf)
+    row = {"precision": precision, "read_bandwidth_gb_s": row_bandwidth, "roofline_tok_s": roofline,
+           "gemv_roofline_tok_s": roofline * gemv_factor}
+    if "tandem" not in skip:
+        row["tandem"] = tandem_bench(args.checkpoint, precision, args, gguf)
+    if precision in HF_PRECISIONS and "hf" not in skip:
+        row["transformers"] = run_worker("hf", args.checkpoint, DTYPES.get(precision, "float32"),
+                                         args.prompt_len, args.gen_len, args.threads)
+    if gguf is not None:
+        row["llama_cpp"] = run_worker("llama", gguf, args.prompt_len, args.gen_len, args.threads)
+        row["llama_cpp"]["format"] = LLAMA_NAMES[precision]
+    elif not llama_skip:
+        row["llama_cpp"] = {"error": gguf_error}
+    return row
+
+
+def decode(result: dict | None) -> float | None:
+    return result.get("decode_tok_s") if result else None
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One row from a precision's rounds: the round with the median Tandem decode, and, with more
+    than one round, each round's ratios (Tandem over llama.cpp, over transformers, over the roofline)
+    and their medians: a VM's bandwidth moves between rounds, so ratios within a round are what
+    compare."""
+    if len(rounds) == 1:
+        return rounds[0]
+    ordered = sorted(rounds, key=lambda r: decode(r.get("tandem")) or 0.0)
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    ratios: dict[str, list[float]] = {"llama.cpp": [], "transformers": [], "roofline": []}
+    for r in rounds:
+        t = decode(r.get("tandem"))
+        if t is None:
+            continue
+        for name, other in (("llama.cpp", decode(r.get("llama_cpp"))), ("transformers", decode(r.get("transformers"))),
+                            ("roofline", r["roofline_tok_s"])):
+            if other:
+                ratios[name].append(t / other)
+    row["round_ratios"] = {k: v for k, v in ratios.items() if v}
+    row["median_ratios"] = {k: statistics.median(v) for k, v in row["round_ratios"].items()}
+    row["rounds"] = [{"read_bandwidth_gb_s": r["read_bandwidth_gb_s"], "tandem": decode(r.get("tandem")),
+                      "llama_cpp": decode(r.get("llama_cpp")), "transformers": decode(r.get("transformers"))}
+                     for r in rounds]
+    return row
 
 
 def format_row(row: dict) -> str:
@@ -292,6 +338,13 @@ def format_row(row: dict) -> str:
     parts = [f"[{row['precision']}] roofline {row['roofline_tok_s']:.1f} tok/s "
              f"({row['read_bandwidth_gb_s']:.1f} GB/s just before)",
              f"tandem {tok_s(t)}", f"llama.cpp {tok_s(ll)}", f"transformers {tok_s(hf)}"]
+    medians = row.get("median_ratios")
+    if medians:  # --rounds > 1: the medians of the rounds' own ratios, then each round's
+        parts.append(f"{len(row['rounds'])} rounds' median ratios: " +
+                     ", ".join(f"{v:.2f}x {k}" for k, v in medians.items()))
+        parts.append("rounds " + "; ".join(f"{r['read_bandwidth_gb_s']:.0f} GB/s {r['tandem'] or 0:.1f}/"
+                                           f"{r['llama_cpp'] or 0:.1f}" for r in row["rounds"])
+                     + " (bandwidth, tandem/llama.cpp)")
     if t and "decode_tok_s" in t:
         parts.append(f"tandem roofline share {t['decode_tok_s'] / row['roofline_tok_s']:.0%}"
                      f" (GEMV roofline {t['decode_tok_s'] / row['gemv_roofline_tok_s']:.0%})")

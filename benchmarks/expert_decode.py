@@ -11,6 +11,7 @@ routing walks every expert before coming back to one, so no step is served from 
     python benchmarks/expert_decode.py --kernels native --direct   # the kernel without the executor's Python
     python benchmarks/expert_decode.py --kernels native --direct --formats int4,int8
     python benchmarks/expert_decode.py --kernels native --direct --formats int4,int4-fp16  # AVX2's integer scales
+    python benchmarks/expert_decode.py --kernels native --direct --isa avx2,avx512   # each instruction set
 
 Not a test: it prints a table (and optionally JSON) for benchmarks/RESULTS.md.
 """
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from tandem.bench import measure_read_bandwidth
 from tandem.experts.base import ExpertWeights
 from tandem.experts.cpu_executor import CpuExpertExecutor, prepare_layer
+from tandem.experts.native import load_kernel
 from tandem.experts.quant import Int4Weight, Int8Weight
 from tandem.experts.torch_kernels import decode_linear, prefill_linear
 
@@ -137,6 +139,8 @@ def main() -> None:
                     help="comma-separated: f32,bf16,int8,int4,int4-fp16 (int4 with fp16 scales)")
     ap.add_argument("--direct", action="store_true", help="native: call the kernel itself, not the executor")
     ap.add_argument("--quick", action="store_true", help="small shapes and few steps: a smoke run")
+    ap.add_argument("--isa", default="", help="native: comma-separated instruction sets to run it at "
+                    "(scalar, avx2, avx512; default the best this CPU has)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     if args.quick:
@@ -164,11 +168,19 @@ def main() -> None:
             if ex.kernel != kernel:
                 print(f"{label:9} {kernel:7} unavailable")
                 continue
-            gbs, ms = decode_bandwidth(ex, args.steps, direct=args.direct and kernel == "native")
-            mb = ex.layers[0].expert_nbytes / 1e6
-            rows.append({"format": label, "kernel": kernel, "gb_per_s": gbs, "roofline": gbs / bw,
-                         "ms_per_layer": ms, "mb_per_expert": mb, "layers": len(ex.layers)})
-            print(f"{label:9} {kernel:7} {gbs:6.1f} {gbs / bw:8.0%} {ms:9.3f} {mb:9.2f}")
+            module = load_kernel() if kernel == "native" else None
+            best = module.isa() if module is not None else None
+            for isa in (args.isa.split(",") if args.isa and module is not None else [best]):
+                if module is not None:
+                    module.set_isa(isa)
+                name = kernel if isa == best and not args.isa else f"{kernel}/{isa}"
+                gbs, ms = decode_bandwidth(ex, args.steps, direct=args.direct and kernel == "native")
+                mb = ex.layers[0].expert_nbytes / 1e6
+                rows.append({"format": label, "kernel": name, "gb_per_s": gbs, "roofline": gbs / bw,
+                             "ms_per_layer": ms, "mb_per_expert": mb, "layers": len(ex.layers)})
+                print(f"{label:9} {name:7} {gbs:6.1f} {gbs / bw:8.0%} {ms:9.3f} {mb:9.2f}")
+            if module is not None:
+                module.set_isa(best)
             del ex
     if args.json:
         with open(args.json, "w") as f:
