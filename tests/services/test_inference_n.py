@@ -79,7 +79,10 @@ async def test_cancelling_the_call_frees_every_completions_blocks(start_server, 
         seen = set()
         while len(seen) < 3:  # every completion decoding
             seen.add((await call.read()).index)
-        assert scrape(server.metrics_port)[USED] >= 3 + 2  # the shared prompt blocks and a block each
+        # The shared prompt blocks and a block each. The first tokens come from the prefill, before
+        # a decode step has copied each completion's last block, and the gauge is set after a step's
+        # tokens go out: read at once, it raced that step (3 blocks seen), so it is polled.
+        await eventually(lambda: scrape(server.metrics_port), lambda m: m[USED] >= 3 + 2)
         call.cancel()
     metrics = await eventually(lambda: scrape(server.metrics_port), lambda m: m[cancelled] == 1)
     assert metrics[USED] == 0 and metrics[(contract.RUNNING_REQUESTS, ())] == 0
