@@ -1,7 +1,7 @@
 """Routed-expert time per MoE layer by tokens per call: decode-sized batches to prefill-sized ones.
 
     python benchmarks/expert_tokens.py [--quant int8] [--tokens 1,8,32,64,128,256] [--threads 2] [--skew 1]
-                                       [--chunks 1,8]
+                                       [--chunks 1,8] [--dtype bfloat16] [--isa avx512,avx512bf16]
 
 CpuExpertExecutor over `--layers` layers of 8 experts of 1024 x 2816 (the comparison checkpoint's
 shape), random weights, top-2 of random experts (uniformly, or with `--skew s` expert e drawn with
@@ -9,7 +9,9 @@ weight 1 / (e + 1)^s, as trained routers favour some experts); the layers are cy
 weights (~69 MB a layer at int8) come from RAM, not the cache. Prints the median of 7 passes per
 token count, in ms a layer and in GMAC/s (tokens x 2 experts x 3 projections x 1024 x 2816 a layer).
 With `--chunks a,b` the passes alternate between the kernel's two settings of chunks a thread
-(set_chunks_per_thread), 9 of each, and the median of the pairs' ratios (b over a) is printed too.
+(set_chunks_per_thread), 9 of each, and the median of the pairs' ratios (b over a) is printed too;
+`--isa a,b` alternates the kernel's instruction sets so (set_isa). `--dtype bfloat16` stores
+unquantized experts as bf16.
 Not a test: for benchmarks/RESULTS.md.
 """
 
@@ -36,16 +38,30 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--skew", type=float, default=0.0, help="routing weight 1 / (e + 1)^skew (0: uniform)")
     ap.add_argument("--chunks", default="", help="two chunks-a-thread settings to alternate, e.g. 1,8")
+    ap.add_argument("--isa", default="", help="two instruction sets to alternate, e.g. avx512,avx512bf16")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="unquantized experts' dtype")
     args = ap.parse_args()
-    settings = [int(c) for c in args.chunks.split(",")] if args.chunks else [None]
+    if args.chunks and args.isa:
+        ap.error("alternate --chunks or --isa, not both")
+    settings = (args.chunks or args.isa).split(",") if args.chunks or args.isa else [None]
     if len(settings) not in (1, 2):
-        ap.error("--chunks takes two settings")
+        ap.error("--chunks and --isa take two settings")
     torch.manual_seed(0)
-    layers = {i: ExpertWeights(torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN) * 0.02,
-                               torch.randn(EXPERTS, HIDDEN, INTERMEDIATE) * 0.02) for i in range(args.layers)}
+    dtype = getattr(torch, args.dtype)
+    layers = {i: ExpertWeights((torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN) * 0.02).to(dtype),
+                               (torch.randn(EXPERTS, HIDDEN, INTERMEDIATE) * 0.02).to(dtype)) for i in range(args.layers)}
     executor = CpuExpertExecutor(layers, quant=args.quant, threads=args.threads)
     del layers
-    print(f"{args.quant} experts, {args.threads} threads, skew {args.skew}, load average {os.getloadavg()[0]:.1f}")
+
+    def apply(setting: str | None) -> None:
+        if setting is None:
+            return
+        if args.chunks:
+            executor.native.set_chunks_per_thread(int(setting))
+        else:
+            executor.native.set_isa(setting)
+
+    print(f"{args.quant} experts ({args.dtype}), {args.threads} threads, skew {args.skew}, load average {os.getloadavg()[0]:.1f}")
     for n in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(n, HIDDEN)
         popularity = 1.0 / torch.arange(1, EXPERTS + 1, dtype=torch.float64) ** args.skew
@@ -54,8 +70,7 @@ def main() -> None:
         passes = {c: [] for c in settings}
         for _ in range(7 if settings == [None] else 9):
             for c in settings:
-                if c is not None:
-                    executor.native.set_chunks_per_thread(c)
+                apply(c)
                 start = time.perf_counter()
                 for layer in range(args.layers):
                     executor.forward(layer, x, ids, weights)
@@ -64,7 +79,7 @@ def main() -> None:
         cells = []
         for c in settings:
             seconds = statistics.median(passes[c])
-            label = "" if c is None else f"{c} chunks a thread: "
+            label = "" if c is None else f"{c} chunks a thread: " if args.chunks else f"{c}: "
             cells.append(f"{label}{seconds * 1e3:7.2f} ms a layer, {macs / seconds / 1e9:6.1f} GMAC/s")
         if len(settings) == 2:
             a, b = settings

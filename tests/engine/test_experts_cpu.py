@@ -198,14 +198,89 @@ def test_unknown_instruction_set_is_refused(kernel_module):
         kernel_module.set_isa("avx1024")
 
 
-def test_bf16_weights_run_unconverted(layers, kernel_module):
-    bf16 = {3: ExpertWeights(layers[3].gate_up.bfloat16(), layers[3].down.bfloat16())}
-    ex = CpuExpertExecutor(bf16, kernel="native", threads=2)
+def bf16_rounded_reference(w: ExpertWeights, hidden, ids, weights) -> torch.Tensor:
+    """The experts with their activations rounded to bf16 before each projection (as a bf16
+    model's own matmuls and llama.cpp's BF16 rows take them), products and sums in f32."""
+    gate_up, down = w.gate_up.float(), w.down.float()
+    inter = down.shape[2]
+    x = hidden.bfloat16().float()
+    out = torch.zeros(hidden.shape)
+    for t in range(hidden.shape[0]):
+        for e, wt in zip(ids[t].tolist(), weights[t].tolist()):
+            h = gate_up[e] @ x[t]
+            act = (torch.nn.functional.silu(h[:inter]) * h[inter:]).bfloat16().float()
+            out[t] += wt * (down[e] @ act)
+    return out
+
+
+# Tokens 1, 5 and 7: the token tiles (4) and what is left of them; sizes whose K is whole 32-blocks
+# and sizes with a tail past the last (h 112, intermediate 200: 16 and 8 left over).
+@pytest.mark.parametrize("tokens", [1, 5, 7])
+@pytest.mark.parametrize("h,i", [(H, I), (112, 200)])
+def test_bf16_weights_run_unconverted(kernel_module, tokens, h, i):
+    # f32 arithmetic on the bf16 rows on every instruction set but avx512bf16, which multiplies
+    # them with bf16-rounded activations by vdpbf16ps: that one is held to the rounded reference.
+    g = torch.Generator().manual_seed(3)
+    w = ExpertWeights((torch.randn(E, 2 * i, h, generator=g) / h**0.5).bfloat16(),
+                      (torch.randn(E, h, i, generator=g) / i**0.5).bfloat16())
+    ex = CpuExpertExecutor({3: w}, kernel="native", threads=2)
     assert ex.layers[3].gate_up.dtype == torch.bfloat16  # streamed as 2 bytes per weight
-    hidden, ids, weights = batch(3)
-    want = TorchExpertExecutor({3: ExpertWeights(bf16[3].gate_up.float(), bf16[3].down.float())})
-    got = ex.forward(3, hidden, ids, weights)
-    torch.testing.assert_close(got, want.forward(3, hidden, ids, weights), rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, h, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+    weights = torch.rand(tokens, K, generator=g)
+    exact = TorchExpertExecutor({3: ExpertWeights(w.gate_up.float(), w.down.float())}).forward(3, hidden, ids, weights)
+    rounded = bf16_rounded_reference(w, hidden, ids, weights)
+    before = kernel_module.isa()
+    try:
+        for isa in kernel_module.supported_isas():
+            kernel_module.set_isa(isa)
+            got = ex.forward(3, hidden, ids, weights)
+            want = rounded if isa == "avx512bf16" else exact
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=isa)
+    finally:
+        kernel_module.set_isa(before)
+
+
+def test_bf16_dense_rows_on_vdpbf16ps(kernel_module):
+    # The dense kernel (attention projections and LM head of a bf16 model) rounds its activations
+    # the same way on avx512bf16, through every row path: 4-row quarters and the rows past them.
+    if "avx512bf16" not in kernel_module.supported_isas():
+        pytest.skip("no AVX512_BF16 on this CPU")
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(67, 112, generator=g) / 112**0.5).bfloat16()
+    before = kernel_module.isa()
+    try:
+        for tokens in (1, 3, 6):
+            x = torch.randn(tokens, 112, generator=g)
+            for isa, xs in (("avx512", x), ("avx512bf16", x.bfloat16().float())):
+                kernel_module.set_isa(isa)
+                out = torch.empty(tokens, 67)
+                kernel_module.linear_forward(x, native.KIND_BF16, w, torch.Tensor(), out)
+                want = xs @ w.float().T
+                torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=isa)
+    finally:
+        kernel_module.set_isa(before)
+
+
+def test_bf16_experts_stay_on_the_kernel_for_prefill_where_it_has_vdpbf16ps(kernel_module, monkeypatch):
+    from tandem.experts import cpu_executor
+
+    g = torch.Generator().manual_seed(6)
+    bf16 = {3: ExpertWeights((torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16(),
+                             (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16())}
+    f32 = {3: ExpertWeights(bf16[3].gate_up.float(), bf16[3].down.float())}
+    monkeypatch.setattr(cpu_executor, "_has_amx", lambda: False)
+    ex, ex32 = CpuExpertExecutor(bf16, kernel="native"), CpuExpertExecutor(f32, kernel="native")
+    monkeypatch.setattr(ex.native, "isa", lambda: "avx512bf16")  # what the executor asks, on any CPU
+    assert ex.prefill_tokens == cpu_executor.BF16_DOT_PREFILL_TOKENS
+    assert ex32.prefill_tokens == PREFILL_TOKENS["none"]  # f32 rows: unchanged
+    assert CpuExpertExecutor(bf16, kernel="native", prefill_tokens=16).prefill_tokens == 16  # as given
+    monkeypatch.setattr(cpu_executor, "_has_amx", lambda: True)  # torch's GEMM on AMX tiles
+    assert ex.prefill_tokens == PREFILL_TOKENS["none"]
+    monkeypatch.setattr(cpu_executor, "_has_amx", lambda: False)
+    monkeypatch.setattr(ex.native, "isa", lambda: "avx512")
+    assert ex.prefill_tokens == PREFILL_TOKENS["none"]
 
 
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
@@ -367,9 +442,12 @@ def test_four_stream_walk_covers_every_remainder(kernel_module, h, i, dtype, qua
             ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])
             weights = torch.rand(tokens, 2, generator=g)
             want = ref.forward(0, hidden, ids, weights)
+            # bf16 rows on vdpbf16ps take bf16-rounded activations (test_bf16_weights_run_unconverted)
+            rounded = bf16_rounded_reference(w[0], hidden, ids, weights) if dtype == torch.bfloat16 else None
             for isa in kernel_module.supported_isas():
                 kernel_module.set_isa(isa)
-                assert_kernel_close(ex.forward(0, hidden, ids, weights), want, quant, isa=isa)
+                assert_kernel_close(ex.forward(0, hidden, ids, weights),
+                                    rounded if rounded is not None and isa == "avx512bf16" else want, quant, isa=isa)
     finally:
         kernel_module.set_isa(before)
 

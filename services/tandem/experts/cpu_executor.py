@@ -10,6 +10,7 @@ one expert at a time instead, on dequantized weights.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -29,6 +30,10 @@ KERNELS = ("auto", "native", "torch")
 # native 59 ms against 110-190 ms at 128 tokens, crossing at 512-1024); float weights cross at
 # 64-128, and bf16 meets MKL's bf16 GEMM, so those stay at 32.
 PREFILL_TOKENS = {"none": 32, "int8": 384, "int4": 384}
+# bf16 experts where the kernel multiplies them with vdpbf16ps (isa avx512bf16) and torch's bf16
+# GEMM has no AMX tiles to run on: the kernel measured 105-132 GMAC/s at 64-1024 tokens a call
+# against the GEMM path's 11-61 on AMD Zen 4 (2 cores; benchmarks/RESULTS.md round thirty).
+BF16_DOT_PREFILL_TOKENS = 384
 _KIND = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16, Int8Weight: native.KIND_INT8,
          Int4Weight: native.KIND_INT4}
 _EMPTY = torch.empty(0)
@@ -86,14 +91,12 @@ class CpuExpertExecutor:
             raise ValueError(f"unknown expert kernel {kernel!r}; choose one of {KERNELS}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
-        if prefill_tokens is None:
-            prefill_tokens = PREFILL_TOKENS[quant]
-        if prefill_tokens < 0:
+        if prefill_tokens is not None and prefill_tokens < 0:
             raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
         self.threads = threads or available_cores()
         torch.set_num_threads(self.threads)
         self.quant, self.group_size = quant, group_size
-        self.prefill_tokens = prefill_tokens
+        self._prefill_tokens = prefill_tokens  # None: by storage and kernel (see prefill_tokens)
         self.native = None if kernel == "torch" else native.load_kernel()
         if kernel == "native" and self.native is None:
             raise RuntimeError(f"native expert kernel unavailable: {native.unavailable_reason()}")
@@ -101,6 +104,20 @@ class CpuExpertExecutor:
         for i, w in layers.items():
             self.add_layer(i, w)
         self._local = threading.local()
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens per call above which the GEMM path takes over: as given, else by the storage
+        (PREFILL_TOKENS; bf16 experts on vdpbf16ps without AMX: BF16_DOT_PREFILL_TOKENS)."""
+        return self._threshold(next(iter(self.layers.values()), None))
+
+    def _threshold(self, p: PreparedLayer | None) -> int:
+        if self._prefill_tokens is not None:
+            return self._prefill_tokens
+        if (self.quant == "none" and p is not None and p.kind == native.KIND_BF16 and self.native is not None
+                and self.native.isa() == "avx512bf16" and not _has_amx()):
+            return BF16_DOT_PREFILL_TOKENS
+        return PREFILL_TOKENS[self.quant]
 
     @property
     def kernel(self) -> str:
@@ -134,11 +151,12 @@ class CpuExpertExecutor:
         check_batch(hidden, topk_ids, topk_weights, p.hidden_size, p.num_experts)
         x = hidden.detach().float().contiguous()  # [T, H]
         out = torch.empty(x.shape, dtype=torch.float32)  # [T, H]
-        if self.native is not None and x.shape[0] <= self.prefill_tokens:
+        threshold = self._threshold(p)
+        if self.native is not None and x.shape[0] <= threshold:
             self._native_forward(p, x, topk_ids, topk_weights, out)
         else:
             groups = group_by_expert(topk_ids, topk_weights, p.num_experts)
-            products = p.decode if x.shape[0] <= self.prefill_tokens else p.prefill
+            products = p.decode if x.shape[0] <= threshold else p.prefill
             moe_with_linears(x, groups, *products, out.zero_())
         return out.to(hidden.dtype)
 
@@ -157,6 +175,12 @@ class CpuExpertExecutor:
             buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32)
             self._local.scratch = buf
         return buf
+
+
+@functools.cache
+def _has_amx() -> bool:
+    """Whether torch's CPU GEMMs can run on AMX tiles (Sapphire Rapids and later)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def prepare_layer(w: ExpertWeights, quant: str, group_size: int = 32, torch_decode: bool = False,

@@ -4,7 +4,7 @@
 //
 // Every kernel reads one weight row once and multiplies it with up to kTile tokens, so a
 // batch whose tokens share an expert streams that expert's weights from RAM once.
-// Needs: TANDEM_WIDE (1 for 512-bit vectors), <immintrin.h>, <cstdint>, and Mat from moe_cpu.cpp.
+// Needs: TANDEM_WIDE (1 for 512-bit vectors), TANDEM_BF16DOT (1: bf16 rows by vdpbf16ps, AVX512_BF16), <immintrin.h>, <cstdint>, and Mat from moe_cpu.cpp.
 
 // (sum a, sum b, sum c, sum d) of four 8-float vectors: three horizontal adds and one lane add,
 // against four full reductions.
@@ -298,6 +298,51 @@ static void dot_dense2(const typename L::E* w0, const typename L::E* w1, int64_t
   }
 }
 
+#if TANDEM_BF16DOT
+// bf16 rows times bf16 activations (Act::xb, x rounded to nearest even once a call), with
+// vdpbf16ps: each instruction multiplies 32 pairs and adds them into 16 f32 lanes, where the
+// f32 kernels widen the weights (two instructions per 16) and then multiply-add 16 at a time.
+// llama.cpp's BF16 rows round their activations so too, as a bf16 model's own matmuls do.
+// res[r * NT + t] = dot(w[r], x[t]) for R rows.
+template <int R, int NT>
+static void dot_bf16_rows(const uint16_t* const* w, int64_t K, const Act* a, float* res) {
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t vec = K / 32 * 32;
+  for (int64_t k = 0; k < vec; k += 32) {
+    __m512bh v[R];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kPrefetch, _MM_HINT_T0);
+      v[r] = (__m512bh)_mm512_loadu_si512(w[r] + k);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(a[t].xb + k);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], v[r], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) {
+      float s = _mm512_reduce_add_ps(acc[r][t]);
+      for (int64_t j = vec; j < K; ++j) s += bf16_to_float(w[r][j]) * bf16_to_float(a[t].xb[j]);
+      res[r * NT + t] = s;
+    }
+}
+
+// x [K] -> out: bf16, rounded to nearest even (as torch's .bfloat16()), 16 at a time.
+static void to_bf16(const float* x, int64_t K, uint16_t* out) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
+  for (; k < K; ++k) {
+    uint32_t u;
+    std::memcpy(&u, x + k, sizeof(u));
+    out[k] = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40)  // NaN stays NaN
+                                              : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+#endif
+
 // dot(fp16 a, f32 b) over n: the int4 minimum term, sum over groups of min_g * sum(x_g).
 static inline float dot_f16(const uint16_t* a, const float* b, int64_t n) {
   T acc = V::zero();
@@ -577,9 +622,17 @@ static void row_tile(const Mat& m, int64_t e, int64_t row, const Act* a, float* 
     case kF32:
       dot_dense<LoadF32, NT>(static_cast<const float*>(m.data) + r * m.K, m.K, x, res);
       break;
-    case kBF16:
-      dot_dense<LoadBF16, NT>(static_cast<const uint16_t*>(m.data) + r * m.K, m.K, x, res);
+    case kBF16: {
+      const uint16_t* w = static_cast<const uint16_t*>(m.data) + r * m.K;
+#if TANDEM_BF16DOT
+      if (a[0].xb) {
+        dot_bf16_rows<1, NT>(&w, m.K, a, res);
+        break;
+      }
+#endif
+      dot_dense<LoadBF16, NT>(w, m.K, x, res);
       break;
+    }
     case kInt8: {
       if (a[0].q)  // activations quantized: integer dot products
         dot_int8<NT>(static_cast<const int8_t*>(m.data) + r * m.K, m.K, a, res);
@@ -631,6 +684,18 @@ static void row_tile2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const
     }
     case kBF16: {
       const uint16_t* w = static_cast<const uint16_t*>(m.data);
+#if TANDEM_BF16DOT
+      if (a[0].xb) {
+        const uint16_t* rows[2] = {w + r0 * m.K, w + r1 * m.K};
+        float both[2 * NT];
+        dot_bf16_rows<2, NT>(rows, m.K, a, both);
+        for (int t = 0; t < NT; ++t) {
+          res0[t] = both[t];
+          res1[t] = both[NT + t];
+        }
+        break;
+      }
+#endif
       dot_dense2<LoadBF16, NT>(w + r0 * m.K, w + r1 * m.K, m.K, x, res0, res1);
       break;
     }
@@ -801,6 +866,12 @@ static void row_tile4(const RowRef* refs, const Act* a, float* res) {
     case kBF16: {
       const uint16_t* w[4];
       row_ptrs(refs, m.K, w);
+#if TANDEM_BF16DOT
+      if (a[0].xb) {
+        dot_bf16_rows<4, NT>(w, m.K, a, res);
+        break;
+      }
+#endif
       dot_dense4<LoadBF16, NT>(w, m.K, x, res);
       break;
     }

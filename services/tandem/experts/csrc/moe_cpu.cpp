@@ -89,6 +89,7 @@ struct Act {
   const float* xs;    // int4: per-group sums
   const float* dexp;  // int8: block scales per int32 lane
   float c;            // int8: correction (see quantize_act)
+  const uint16_t* xb = nullptr;  // bf16 rows on AVX512_BF16: x rounded to bf16 (nullptr: the kernels use x)
 };
 
 // One weight row for the four-row kernels: row `row` of expert `e` of *m.
@@ -139,6 +140,20 @@ static inline float half_to_float(uint16_t v) { return _cvtsh_ss(v); }
 #include "kernels_impl.h"
 #undef TANDEM_WIDE
 }  // namespace avx512
+#pragma GCC pop_options
+
+// AVX-512 with AVX512_BF16 (Zen 4 and later, Cooper Lake, Sapphire Rapids): as avx512, and bf16
+// rows multiply bf16-rounded activations with vdpbf16ps.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c")
+namespace avx512bf16 {
+static inline float half_to_float(uint16_t v) { return _cvtsh_ss(v); }
+#define TANDEM_WIDE 1
+#define TANDEM_BF16DOT 1
+#include "kernels_impl.h"
+#undef TANDEM_BF16DOT
+#undef TANDEM_WIDE
+}  // namespace avx512bf16
 #pragma GCC pop_options
 
 namespace scalar {
@@ -193,11 +208,13 @@ using RowDot4 = void (*)(const RowRef*, const Act*, int64_t, float* const*);
 using SiluMul = void (*)(const float*, const float*, float*, int64_t);
 using QuantizeAct = void (*)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*, float*, float*);
 
+using ToBF16 = void (*)(const float*, int64_t, uint16_t*);
+
 static std::string detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-    return "avx512";
+    return __builtin_cpu_supports("avx512bf16") ? "avx512bf16" : "avx512";
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return "avx2";
   return "scalar";
 }
@@ -207,8 +224,9 @@ static std::string g_isa = detect_isa();
 static std::vector<std::string> supported_isas() {
   std::vector<std::string> out{"scalar"};
   const std::string best = detect_isa();
-  if (best == "avx2" || best == "avx512") out.push_back("avx2");
-  if (best == "avx512") out.push_back("avx512");
+  if (best != "scalar") out.push_back("avx2");
+  if (best == "avx512" || best == "avx512bf16") out.push_back("avx512");
+  if (best == "avx512bf16") out.push_back("avx512bf16");
   return out;
 }
 
@@ -222,24 +240,28 @@ static void set_isa(const std::string& isa) {
 }
 
 static RowDot row_dot_for_isa() {
+  if (g_isa == "avx512bf16") return avx512bf16::row_dot;
   if (g_isa == "avx512") return avx512::row_dot;
   if (g_isa == "avx2") return avx2::row_dot;
   return scalar::row_dot;
 }
 
 static RowDot2 row_dot2_for_isa() {
+  if (g_isa == "avx512bf16") return avx512bf16::row_dot2;
   if (g_isa == "avx512") return avx512::row_dot2;
   if (g_isa == "avx2") return avx2::row_dot2;
   return scalar::row_dot2;
 }
 
 static RowDot4 row_dot4_for_isa() {
+  if (g_isa == "avx512bf16") return avx512bf16::row_dot4;
   if (g_isa == "avx512") return avx512::row_dot4;
   if (g_isa == "avx2") return avx2::row_dot4;
   return scalar::row_dot4;
 }
 
 static SiluMul silu_mul_for_isa() {
+  if (g_isa == "avx512bf16") return avx512bf16::silu_mul;
   if (g_isa == "avx512") return avx512::silu_mul;
   if (g_isa == "avx2") return avx2::silu_mul;
   return scalar::silu_mul;
@@ -247,20 +269,26 @@ static SiluMul silu_mul_for_isa() {
 
 // nullptr for the scalar kernels, which compute int4 rows on the f32 activations.
 static QuantizeAct quantize_for_isa() {
+  if (g_isa == "avx512bf16") return avx512bf16::quantize_act;
   if (g_isa == "avx512") return avx512::quantize_act;
   if (g_isa == "avx2") return avx2::quantize_act;
   return nullptr;
 }
+
+// The bf16 rounding of activations for bf16 rows: only where vdpbf16ps multiplies them.
+static ToBF16 to_bf16_for_isa() { return g_isa == "avx512bf16" ? avx512bf16::to_bf16 : nullptr; }
 
 // Activations of n rows x [n, K] for the kernels, quantized (Q8) when the rows are int8 or int4.
 struct ActRows {
   std::vector<Act> rows;
   std::vector<int8_t> q;
   std::vector<float> d, xs, dexp, c;
+  std::vector<uint16_t> xb;
 
-  // quantize: nullptr leaves the rows f32 (kind is then ignored).
+  // quantize: nullptr leaves the rows f32 (kind is then ignored). to_bf16 (bf16 rows only): the
+  // rows also rounded to bf16 for vdpbf16ps.
   void fill(const float* x, const std::vector<int64_t>& row_of, int64_t K, int64_t group, int64_t kind,
-            QuantizeAct quantize) {
+            QuantizeAct quantize, ToBF16 to_bf16 = nullptr) {
     const int64_t n = static_cast<int64_t>(row_of.size());
     const int64_t src_rows = *std::max_element(row_of.begin(), row_of.end()) + 1;
     const int64_t blocks = K / 32 + 4, groups = K / group, lanes = K / 4 + 16;  // padding: see the kernels
@@ -275,11 +303,16 @@ struct ActRows {
         quantize(x + i * K, K, group, kind, q.data() + i * K, d.data() + i * blocks, xs.data() + i * groups,
                  dexp.data() + i * lanes, c.data() + i);
     }
+    if (to_bf16) {
+      xb.resize(src_rows * K);
+      for (int64_t i = 0; i < src_rows; ++i) to_bf16(x + i * K, K, xb.data() + i * K);
+    }
     for (int64_t s = 0; s < n; ++s) {
       const int64_t i = row_of[s];
       rows[s] = quantize ? Act{x + i * K, q.data() + i * K, d.data() + i * blocks, xs.data() + i * groups,
                                dexp.data() + i * lanes, c[i]}
                          : Act{x + i * K, nullptr, nullptr, nullptr, nullptr, 0.f};
+      if (to_bf16) rows[s].xb = xb.data() + i * K;
     }
   }
 };
@@ -308,7 +341,7 @@ static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, 
       if (scale.scalar_type() == at::kShort) {
         TORCH_CHECK(scale.is_contiguous() && scale.numel() == w.size(0) * w.size(1) * (K / group + 2),
                     "int4 integer scales must be contiguous int16 [E, N, K / group + 2]");
-        TORCH_CHECK(g_isa != "avx512", "int4 integer scales are for the avx2 and scalar kernels; this call runs avx512 "
+        TORCH_CHECK(g_isa.rfind("avx512", 0) != 0, "int4 integer scales are for the avx2 and scalar kernels; this call runs ", g_isa, " "
                     "(the executor stores them only where it runs avx2)");
         m.iscale = scale.data_ptr<int16_t>();
       } else {
@@ -411,7 +444,8 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   ActRows& act_rows = act_rows_buf;
   std::vector<int64_t> identity(n);
   for (int64_t s = 0; s < n; ++s) identity[s] = s;
-  if (n > 0) x_rows.fill(xp, slot_token, H, g, kind, quantize_x);
+  const ToBF16 to_bf16 = kind == kBF16 ? to_bf16_for_isa() : nullptr;
+  if (n > 0) x_rows.fill(xp, slot_token, H, g, kind, quantize_x, to_bf16);
   const RowDot row_dot = row_dot_for_isa();
   const RowDot2 row_dot2 = row_dot2_for_isa();
   const RowDot4 row_dot4 = row_dot4_for_isa();
@@ -468,7 +502,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   };
   const std::vector<int64_t> cuts = gate_up_ranges(tokens_of, I, at::get_num_threads() * chunks_per_thread());
   parallel_chunks(static_cast<int64_t>(cuts.size()) - 1, [&](int64_t p) { gate_up_range(cuts[p], cuts[p + 1]); });
-  if (n > 0) act_rows.fill(act, identity, I, g, kind, quantize_act);
+  if (n > 0) act_rows.fill(act, identity, I, g, kind, quantize_act, to_bf16);
 
   // down: each chunk is a range of output columns, so accumulation needs no atomics; a thread
   // walks the four quarters of its chunk in lockstep, expert by expert.
@@ -541,7 +575,7 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
   ActRows& rows = rows_buf;  // the workers must see this thread's buffers, not their own
   std::vector<int64_t> identity(T);
   for (int64_t t = 0; t < T; ++t) identity[t] = t;
-  rows.fill(x.data_ptr<float>(), identity, K, 32, kind, quantize);
+  rows.fill(x.data_ptr<float>(), identity, K, 32, kind, quantize, kind == kBF16 ? to_bf16_for_isa() : nullptr);
   const RowDot row_dot = row_dot_for_isa();
   const RowDot4 row_dot4 = row_dot4_for_isa();
   // row g over all segments -> its segment
@@ -597,7 +631,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_forward", &tandem::moe_forward, "fused routed-expert forward into out [T, H]", release_gil());
   m.def("linear_forward", &tandem::linear_forward, "dense layer x [T, K] times w [N, K] into out [T, N]",
         release_gil());
-  m.def("set_isa", &tandem::set_isa, "force an instruction set: scalar, avx2 or avx512");
+  m.def("set_isa", &tandem::set_isa, "force an instruction set: scalar, avx2, avx512 or avx512bf16");
   m.def("isa", [] { return tandem::g_isa; }, "the instruction set in use");
   m.def("supported_isas", &tandem::supported_isas, "instruction sets this CPU can run");
   m.def("set_chunks_per_thread", &tandem::set_chunks_per_thread,
