@@ -49,7 +49,8 @@ def main() -> None:
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     layers = {i: ExpertWeights((torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN) * 0.02).to(dtype),
-                               (torch.randn(EXPERTS, HIDDEN, INTERMEDIATE) * 0.02).to(dtype)) for i in range(args.layers)}
+                               (torch.randn(EXPERTS, HIDDEN, INTERMEDIATE) * 0.02).to(dtype))
+              for i in range(args.layers)}
     executor = CpuExpertExecutor(layers, quant=args.quant, threads=args.threads)
     del layers
 
@@ -61,7 +62,8 @@ def main() -> None:
         else:
             executor.native.set_isa(setting)
 
-    print(f"{args.quant} experts ({args.dtype}), {args.threads} threads, skew {args.skew}, load average {os.getloadavg()[0]:.1f}")
+    print(f"{args.quant} experts ({args.dtype}), {args.threads} threads, skew {args.skew}, "
+          f"load average {os.getloadavg()[0]:.1f}")
     for n in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(n, HIDDEN)
         popularity = 1.0 / torch.arange(1, EXPERTS + 1, dtype=torch.float64) ** args.skew

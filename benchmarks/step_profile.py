@@ -2,7 +2,7 @@
 in the same process, on the comparison checkpoint.
 
     python benchmarks/step_profile.py [--checkpoint DIR] [--threads 2] [--expert-quant int8] [--dense-quant int8]
-                                      [--streams 1]
+                                      [--streams 1] [--dtype bfloat16] [--isa avx512,avx512bf16]
 
 Wall-clock timers around the routed experts (seen through an observing executor wrapper, as the
 serving metrics see them), the model's forward and its logits, and the attention metadata, over
@@ -51,7 +51,13 @@ def main() -> None:
     ap.add_argument("--expert-quant", default="int8")
     ap.add_argument("--dense-quant", default="int8")
     ap.add_argument("--streams", type=int, default=1, help="concurrent requests, decoded as one batch")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--isa", default="", help="two instruction sets for the native path to alternate (e.g. "
+                    "avx512,avx512bf16), in place of the native and torch paths")
     args = ap.parse_args()
+    isas = args.isa.split(",") if args.isa else []
+    if isas and len(isas) != 2:
+        ap.error("--isa takes two instruction sets")
 
     import torch
 
@@ -59,7 +65,7 @@ def main() -> None:
     from tandem.engine.sampling_params import SamplingParams
     from tandem.experts import native
 
-    engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype="float32", expert_threads=args.threads,
+    engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype=args.dtype, expert_threads=args.threads,
                                        expert_quant=args.expert_quant, dense_quant=args.dense_quant)
     torch.set_num_threads(args.threads)
     acc = dict.fromkeys(("experts", "model_forward", "logits", "metadata"), 0.0)
@@ -78,16 +84,18 @@ def main() -> None:
         engine.step()
     best: dict[str, dict] = {}
     for _ in range(3):
-        for path in ("native", "torch"):
-            model.native_decode = path == "native"
+        for path in isas or ("native", "torch"):
+            model.native_decode = path != "torch"
+            if isas:
+                kernel.set_isa(path)
             engine.step()  # the first step after a switch builds or drops the native layers
             acc.update(dict.fromkeys(acc, 0.0))
-            kernel.set_decode_profile(path == "native")
+            kernel.set_decode_profile(path != "torch")
             steps, start = 40, time.perf_counter()
             for _ in range(steps):
                 engine.step()
             row = {"step_ms": (time.perf_counter() - start) / steps * 1e3, **{k: v / steps * 1e3 for k, v in acc.items()}}
-            if path == "native":  # inside the native layer calls, all layers together
+            if path != "torch":  # inside the native layer calls, all layers together
                 phases = kernel.decode_profile()
                 kernel.set_decode_profile(False)
                 assert phases.pop("calls") == steps * len(model.model.layers)
@@ -98,7 +106,8 @@ def main() -> None:
                 best[path] = row
     assert model.native_path is not None, "the native decode path did not serve this model"
     out = {path: {k: round(v, 2) for k, v in row.items()} for path, row in best.items()}
-    out["torch_over_native"] = round(best["torch"]["step_ms"] / best["native"]["step_ms"], 2)
+    a, b = isas or ("torch", "native")
+    out[f"{a}_over_{b}"] = round(best[a]["step_ms"] / best[b]["step_ms"], 2)
     out["load_average"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out))
 

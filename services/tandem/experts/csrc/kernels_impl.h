@@ -4,7 +4,8 @@
 //
 // Every kernel reads one weight row once and multiplies it with up to kTile tokens, so a
 // batch whose tokens share an expert streams that expert's weights from RAM once.
-// Needs: TANDEM_WIDE (1 for 512-bit vectors), TANDEM_BF16DOT (1: bf16 rows by vdpbf16ps, AVX512_BF16), <immintrin.h>, <cstdint>, and Mat from moe_cpu.cpp.
+// Needs: TANDEM_WIDE (1 for 512-bit vectors), TANDEM_BF16DOT (1: bf16 rows by vdpbf16ps, AVX512_BF16),
+// <immintrin.h>, <cstdint>, and Mat from moe_cpu.cpp.
 
 // (sum a, sum b, sum c, sum d) of four 8-float vectors: three horizontal adds and one lane add,
 // against four full reductions.

@@ -4,7 +4,7 @@
 // As in llama.cpp and KTransformers, the work is split over output rows (in chunks that torch's
 // threads take as they come free: parallel_chunks) and each row is streamed once for every token
 // routed to its expert. The SIMD width is chosen at run time (__builtin_cpu_supports): AVX-512 where
-// present, else AVX2 + FMA + F16C, else plain C++.
+// present (with AVX512_BF16: bf16 rows by vdpbf16ps), else AVX2 + FMA + F16C, else plain C++.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -341,7 +341,8 @@ static Mat make_mat(int64_t kind, const at::Tensor& w, const at::Tensor& scale, 
       if (scale.scalar_type() == at::kShort) {
         TORCH_CHECK(scale.is_contiguous() && scale.numel() == w.size(0) * w.size(1) * (K / group + 2),
                     "int4 integer scales must be contiguous int16 [E, N, K / group + 2]");
-        TORCH_CHECK(g_isa.rfind("avx512", 0) != 0, "int4 integer scales are for the avx2 and scalar kernels; this call runs ", g_isa, " "
+        TORCH_CHECK(g_isa.rfind("avx512", 0) != 0,
+                    "int4 integer scales are for the avx2 and scalar kernels; this call runs ", g_isa, " "
                     "(the executor stores them only where it runs avx2)");
         m.iscale = scale.data_ptr<int16_t>();
       } else {
