@@ -59,16 +59,17 @@ def dequantized_reference(ex: CpuExpertExecutor, layer: int) -> TorchExpertExecu
 
 
 # Tokens: 1 (decode), 5 (a tile of 4 plus 1), 40 (float weights: above prefill_tokens, the GEMM
-# path), 400 (quantized weights: the GEMM path on dequantized experts).
+# path), 400 (quantized weights: the GEMM path on dequantized experts). The thresholds are the
+# storage's defaults, given, since some CPUs keep float experts on the kernel for longer (see
+# test_float_experts_stay_on_the_kernel_for_prefill_where_torchs_gemm_is_the_slower).
 @pytest.mark.parametrize("tokens", [1, 5, 40, 400])
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_native_equals_reference_on_the_same_weights(layers, kernel_module, quant, tokens):
-    ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2)
+    ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2, prefill_tokens=PREFILL_TOKENS[quant])
     hidden, ids, weights = batch(tokens)
     got = ex.forward(5, hidden, ids, weights)
     want = dequantized_reference(ex, 5).forward(5, hidden, ids, weights)
     assert got.shape == (tokens, H) and got.dtype == torch.float32
-    assert ex.prefill_tokens == PREFILL_TOKENS[quant]
     assert_kernel_close(got, want, quant, gemm=tokens > ex.prefill_tokens, isa=kernel_module.isa())
 
 
@@ -263,24 +264,38 @@ def test_bf16_dense_rows_on_vdpbf16ps(kernel_module):
         kernel_module.set_isa(before)
 
 
-def test_bf16_experts_stay_on_the_kernel_for_prefill_where_it_has_vdpbf16ps(kernel_module, monkeypatch):
+def test_float_experts_stay_on_the_kernel_for_prefill_where_torchs_gemm_is_the_slower(kernel_module, monkeypatch):
     from tandem.experts import cpu_executor
 
     g = torch.Generator().manual_seed(6)
     bf16 = {3: ExpertWeights((torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16(),
                              (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16())}
     f32 = {3: ExpertWeights(bf16[3].gate_up.float(), bf16[3].down.float())}
-    monkeypatch.setattr(cpu_executor, "_has_amx", lambda: False)
+    kernel_limit, default = cpu_executor.FLOAT_KERNEL_PREFILL_TOKENS, PREFILL_TOKENS["none"]
     ex, ex32 = CpuExpertExecutor(bf16, kernel="native"), CpuExpertExecutor(f32, kernel="native")
-    monkeypatch.setattr(ex.native, "isa", lambda: "avx512bf16")  # what the executor asks, on any CPU
-    assert ex.prefill_tokens == cpu_executor.BF16_DOT_PREFILL_TOKENS
-    assert ex32.prefill_tokens == PREFILL_TOKENS["none"]  # f32 rows: unchanged
+    int8 = CpuExpertExecutor(f32, kernel="native", quant="int8")
+
+    def on(isa: str, amx: bool, amd: bool) -> tuple[int, int, int]:
+        # what the executor asks, on any CPU
+        monkeypatch.setattr(ex.native, "isa", lambda: isa)
+        monkeypatch.setattr(cpu_executor, "_has_amx", lambda: amx)
+        monkeypatch.setattr(cpu_executor, "_mkl_on_amd", lambda: amd)
+        return ex.prefill_tokens, ex32.prefill_tokens, int8.prefill_tokens
+
+    assert on("avx512bf16", amx=False, amd=True) == (kernel_limit, kernel_limit, PREFILL_TOKENS["int8"])  # Zen 4
+    assert on("avx512bf16", amx=True, amd=False) == (default, default, PREFILL_TOKENS["int8"])  # Sapphire Rapids
+    assert on("avx512bf16", amx=False, amd=False) == (kernel_limit, default, PREFILL_TOKENS["int8"])
+    assert on("avx512", amx=False, amd=True) == (default, kernel_limit, PREFILL_TOKENS["int8"])
+    assert on("avx2", amx=False, amd=True) == (default, default, PREFILL_TOKENS["int8"])  # Zen 1 to 3: unmeasured
     assert CpuExpertExecutor(bf16, kernel="native", prefill_tokens=16).prefill_tokens == 16  # as given
-    monkeypatch.setattr(cpu_executor, "_has_amx", lambda: True)  # torch's GEMM on AMX tiles
-    assert ex.prefill_tokens == PREFILL_TOKENS["none"]
-    monkeypatch.setattr(cpu_executor, "_has_amx", lambda: False)
-    monkeypatch.setattr(ex.native, "isa", lambda: "avx512")
-    assert ex.prefill_tokens == PREFILL_TOKENS["none"]
+
+
+def test_mkl_on_amd_reads_the_cpu_vendor():
+    from tandem.experts import cpu_executor
+
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    assert cpu_executor._mkl_on_amd() == (amd and torch.backends.mkl.is_available())
 
 
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])

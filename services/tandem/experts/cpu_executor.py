@@ -30,10 +30,14 @@ KERNELS = ("auto", "native", "torch")
 # native 59 ms against 110-190 ms at 128 tokens, crossing at 512-1024); float weights cross at
 # 64-128, and bf16 meets MKL's bf16 GEMM, so those stay at 32.
 PREFILL_TOKENS = {"none": 32, "int8": 384, "int4": 384}
-# bf16 experts where the kernel multiplies them with vdpbf16ps (isa avx512bf16) and torch's bf16
-# GEMM has no AMX tiles to run on: the kernel measured 105-132 GMAC/s at 64-1024 tokens a call
-# against the GEMM path's 11-61 on AMD Zen 4 (2 cores; benchmarks/RESULTS.md round thirty).
-BF16_DOT_PREFILL_TOKENS = 384
+# Float experts where torch's GEMM is known to be the slower: bf16 where the kernel multiplies them
+# with vdpbf16ps (isa avx512bf16) and torch has no AMX tiles (kernel 105-132 GMAC/s at 64-1024
+# tokens a call against the GEMM path's 11-61), and f32 on AMD CPUs with AVX-512, where torch's
+# MKL does not run its AVX-512 code (kernel 60-76 GMAC/s at 64-1024 tokens, GEMM 29-69, nearly
+# even at 1024). Measured on AMD Zen 4, 2 cores (benchmarks/RESULTS.md round thirty: prompts of
+# 256 and 512 tokens prefill in 0.70 / 0.83 of the time at f32, 0.42 / 0.52 at bf16); Intel CPUs
+# keep 32 for f32.
+FLOAT_KERNEL_PREFILL_TOKENS = 512
 _KIND = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16, Int8Weight: native.KIND_INT8,
          Int4Weight: native.KIND_INT4}
 _EMPTY = torch.empty(0)
@@ -108,15 +112,18 @@ class CpuExpertExecutor:
     @property
     def prefill_tokens(self) -> int:
         """Tokens per call above which the GEMM path takes over: as given, else by the storage
-        (PREFILL_TOKENS; bf16 experts on vdpbf16ps without AMX: BF16_DOT_PREFILL_TOKENS)."""
+        (PREFILL_TOKENS, or FLOAT_KERNEL_PREFILL_TOKENS where torch's float GEMM is the slower)."""
         return self._threshold(next(iter(self.layers.values()), None))
 
     def _threshold(self, p: PreparedLayer | None) -> int:
         if self._prefill_tokens is not None:
             return self._prefill_tokens
-        if (self.quant == "none" and p is not None and p.kind == native.KIND_BF16 and self.native is not None
-                and self.native.isa() == "avx512bf16" and not _has_amx()):
-            return BF16_DOT_PREFILL_TOKENS
+        if self.quant == "none" and p is not None and self.native is not None:
+            isa = self.native.isa()
+            if p.kind == native.KIND_BF16 and isa == "avx512bf16" and not _has_amx():
+                return FLOAT_KERNEL_PREFILL_TOKENS
+            if p.kind == native.KIND_F32 and isa.startswith("avx512") and _mkl_on_amd():
+                return FLOAT_KERNEL_PREFILL_TOKENS
         return PREFILL_TOKENS[self.quant]
 
     @property
@@ -181,6 +188,18 @@ class CpuExpertExecutor:
 def _has_amx() -> bool:
     """Whether torch's CPU GEMMs can run on AMX tiles (Sapphire Rapids and later)."""
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+@functools.cache
+def _mkl_on_amd() -> bool:
+    """Whether torch's float GEMM is MKL's on an AMD CPU (MKL takes its AVX-512 code on Intel's only)."""
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
+    except OSError:
+        return False
 
 
 def prepare_layer(w: ExpertWeights, quant: str, group_size: int = 32, torch_decode: bool = False,
