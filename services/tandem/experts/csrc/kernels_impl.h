@@ -335,12 +335,7 @@ static void to_bf16(const float* x, int64_t K, uint16_t* out) {
   int64_t k = 0;
   for (; k + 16 <= K; k += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
-  for (; k < K; ++k) {
-    uint32_t u;
-    std::memcpy(&u, x + k, sizeof(u));
-    out[k] = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40)  // NaN stays NaN
-                                              : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
+  for (; k < K; ++k) out[k] = c10::BFloat16(x[k]).x;  // c10 rounds to nearest even too
 }
 #endif
 

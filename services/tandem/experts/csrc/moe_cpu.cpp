@@ -239,44 +239,28 @@ static void set_isa(const std::string& isa) {
   TORCH_CHECK(false, "instruction set '", isa, "' is not supported on this CPU (", detect_isa(), " is the best)");
 }
 
-static RowDot row_dot_for_isa() {
-  if (g_isa == "avx512bf16") return avx512bf16::row_dot;
-  if (g_isa == "avx512") return avx512::row_dot;
-  if (g_isa == "avx2") return avx2::row_dot;
-  return scalar::row_dot;
-}
+// The kernels of the instruction set in use (g_isa). quantize: nullptr for the scalar kernels,
+// which compute int4 rows on the f32 activations; to_bf16: the bf16 rounding of activations for
+// bf16 rows, only where vdpbf16ps multiplies them (nullptr elsewhere).
+struct Kernels {
+  RowDot row_dot;
+  RowDot2 row_dot2;
+  RowDot4 row_dot4;
+  SiluMul silu_mul;
+  QuantizeAct quantize;
+  ToBF16 to_bf16;
+};
 
-static RowDot2 row_dot2_for_isa() {
-  if (g_isa == "avx512bf16") return avx512bf16::row_dot2;
-  if (g_isa == "avx512") return avx512::row_dot2;
-  if (g_isa == "avx2") return avx2::row_dot2;
-  return scalar::row_dot2;
+static Kernels kernels() {
+  if (g_isa == "avx512bf16")
+    return {avx512bf16::row_dot, avx512bf16::row_dot2, avx512bf16::row_dot4, avx512bf16::silu_mul,
+            avx512bf16::quantize_act, avx512bf16::to_bf16};
+  if (g_isa == "avx512")
+    return {avx512::row_dot, avx512::row_dot2, avx512::row_dot4, avx512::silu_mul, avx512::quantize_act, nullptr};
+  if (g_isa == "avx2")
+    return {avx2::row_dot, avx2::row_dot2, avx2::row_dot4, avx2::silu_mul, avx2::quantize_act, nullptr};
+  return {scalar::row_dot, scalar::row_dot2, scalar::row_dot4, scalar::silu_mul, nullptr, nullptr};
 }
-
-static RowDot4 row_dot4_for_isa() {
-  if (g_isa == "avx512bf16") return avx512bf16::row_dot4;
-  if (g_isa == "avx512") return avx512::row_dot4;
-  if (g_isa == "avx2") return avx2::row_dot4;
-  return scalar::row_dot4;
-}
-
-static SiluMul silu_mul_for_isa() {
-  if (g_isa == "avx512bf16") return avx512bf16::silu_mul;
-  if (g_isa == "avx512") return avx512::silu_mul;
-  if (g_isa == "avx2") return avx2::silu_mul;
-  return scalar::silu_mul;
-}
-
-// nullptr for the scalar kernels, which compute int4 rows on the f32 activations.
-static QuantizeAct quantize_for_isa() {
-  if (g_isa == "avx512bf16") return avx512bf16::quantize_act;
-  if (g_isa == "avx512") return avx512::quantize_act;
-  if (g_isa == "avx2") return avx2::quantize_act;
-  return nullptr;
-}
-
-// The bf16 rounding of activations for bf16 rows: only where vdpbf16ps multiplies them.
-static ToBF16 to_bf16_for_isa() { return g_isa == "avx512bf16" ? avx512bf16::to_bf16 : nullptr; }
 
 // Activations of n rows x [n, K] for the kernels, quantized (Q8) when the rows are int8 or int4.
 struct ActRows {
@@ -435,8 +419,9 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
 
   float* act = scratch.data_ptr<float>();  // [n, I]
   const float* xp = x.data_ptr<float>();
+  const Kernels kern = kernels();
   // Quantized activations for int4 always, for int8 when K is whole 32-blocks (else f32 math).
-  const QuantizeAct quantize = int4 || kind == kInt8 ? quantize_for_isa() : nullptr;
+  const QuantizeAct quantize = int4 || kind == kInt8 ? kern.quantize : nullptr;
   const QuantizeAct quantize_x = int4 || H % 32 == 0 ? quantize : nullptr;
   const QuantizeAct quantize_act = int4 || I % 32 == 0 ? quantize : nullptr;
   // Reused across calls (grow-only): decode allocates nothing per step.
@@ -445,11 +430,11 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   ActRows& act_rows = act_rows_buf;
   std::vector<int64_t> identity(n);
   for (int64_t s = 0; s < n; ++s) identity[s] = s;
-  const ToBF16 to_bf16 = kind == kBF16 ? to_bf16_for_isa() : nullptr;
+  const ToBF16 to_bf16 = kind == kBF16 ? kern.to_bf16 : nullptr;
   if (n > 0) x_rows.fill(xp, slot_token, H, g, kind, quantize_x, to_bf16);
-  const RowDot row_dot = row_dot_for_isa();
-  const RowDot2 row_dot2 = row_dot2_for_isa();
-  const RowDot4 row_dot4 = row_dot4_for_isa();
+  const RowDot row_dot = kern.row_dot;
+  const RowDot2 row_dot2 = kern.row_dot2;
+  const RowDot4 row_dot4 = kern.row_dot4;
   const int64_t na = static_cast<int64_t>(active.size());
 
   // gate_up: rows j and I + j of each active expert give activation j of its tokens. A thread
@@ -457,7 +442,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   // weight streams (see row_dot4). The results of kRun row pairs are kept, then go through
   // SiLU together, a vector at a time. The threads' ranges are cut by work, not by rows
   // (gate_up_ranges): a prefill's experts differ in tokens, and so in products a row.
-  const SiluMul silu_mul = silu_mul_for_isa();
+  const SiluMul silu_mul = kern.silu_mul;
   constexpr int64_t kRun = 16;
   std::vector<int64_t> tokens_of(na);
   for (int64_t ai = 0; ai < na; ++ai) tokens_of[ai] = begin[active[ai] + 1] - begin[active[ai]];
@@ -571,14 +556,15 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
     first_row[i + 1] = first_row[i] + N;
   }
   if (T == 0 || first_row[S] == 0) return;
-  const QuantizeAct quantize = kind == kInt8 && K % 32 == 0 ? quantize_for_isa() : nullptr;
+  const Kernels kern = kernels();
+  const QuantizeAct quantize = kind == kInt8 && K % 32 == 0 ? kern.quantize : nullptr;
   static thread_local ActRows rows_buf;
   ActRows& rows = rows_buf;  // the workers must see this thread's buffers, not their own
   std::vector<int64_t> identity(T);
   for (int64_t t = 0; t < T; ++t) identity[t] = t;
-  rows.fill(x.data_ptr<float>(), identity, K, 32, kind, quantize, kind == kBF16 ? to_bf16_for_isa() : nullptr);
-  const RowDot row_dot = row_dot_for_isa();
-  const RowDot4 row_dot4 = row_dot4_for_isa();
+  rows.fill(x.data_ptr<float>(), identity, K, 32, kind, quantize, kind == kBF16 ? kern.to_bf16 : nullptr);
+  const RowDot row_dot = kern.row_dot;
+  const RowDot4 row_dot4 = kern.row_dot4;
   // row g over all segments -> its segment
   auto segment = [&](int64_t g) {
     return std::upper_bound(first_row.begin(), first_row.end(), g) - first_row.begin() - 1;
@@ -613,7 +599,7 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
   });
 }
 
-void silu_mul_f32(const float* g, const float* u, float* out, int64_t n) { silu_mul_for_isa()(g, u, out, n); }
+void silu_mul_f32(const float* g, const float* u, float* out, int64_t n) { kernels().silu_mul(g, u, out, n); }
 
 // out [T, N] f32 = x [T, K] times the rows of w [N, K] (see linear_forward_multi).
 void linear_forward(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& scale, at::Tensor& out) {
