@@ -3,7 +3,9 @@ the share of the memory roofline that decode reaches on this machine.
 
 Roofline: decode streams weights from memory once per step, so its limit is
 bytes read per step / read bandwidth. Bytes read per step count the distinct experts the step
-touched (measured, per layer) plus every other weight (attention, dense, router, LM head).
+touched (measured, per layer) plus every other weight (attention, dense, router, LM head). The
+KV cache a step attends to is read too: `roofline_share_with_kv` adds it (the single-stream
+decode's mean context, in the cache's dtype), beside the weights-only `roofline_share`.
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ def dense_weight_bytes(model) -> int:
         emb = model.model.embed_tokens.weight
         total += emb.numel() * emb.element_size()
     return total
+
+
+def kv_bytes_per_step(engine, prompt_len: int, gen_len: int) -> float:
+    """Bytes of KV cache one single-stream decode step reads, on average over a request of
+    prompt_len + gen_len tokens: decode step j (1 .. gen_len - 1) attends to prompt_len + j tokens,
+    a sliding window's last `window` of them."""
+    steps = range(1, gen_len)
+    if not steps:
+        return 0.0
+    window = engine.model_config.sliding_window
+    contexts = [min(prompt_len + j, window) if window else prompt_len + j for j in steps]
+    return engine.cache.layout.bytes_per_token() * sum(contexts) / len(contexts)
 
 
 def instrument(engine, bytes_per_expert: dict[int, int]) -> ExpertTraffic | None:
@@ -159,11 +173,14 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
     else:
         bytes_per_step = dense_weight_bytes(engine.model)
     result["weight_bytes_per_step"] = bytes_per_step
+    result["kv_bytes_per_step"] = kv = kv_bytes_per_step(engine, prompt_len, gen_len)
     if bandwidth:  # {"sum": GB/s, "gemv": GB/s}; the roofline is `sum`'s (see tandem.bench)
         from tandem.bench import roofline_share
 
         result.update(read_bandwidth_gbs=bandwidth["sum"], roofline_tok_s=bandwidth["sum"] * 1e9 / bytes_per_step,
                       roofline_share=roofline_share(bytes_per_step, result["decode_tok_s"], bandwidth["sum"]),
+                      roofline_share_with_kv=roofline_share(bytes_per_step + kv, result["decode_tok_s"],
+                                                            bandwidth["sum"]),
                       gemv_read_bandwidth_gbs=bandwidth["gemv"],
                       roofline_share_gemv=roofline_share(bytes_per_step, result["decode_tok_s"], bandwidth["gemv"]))
     result["concurrency"] = {}

@@ -49,6 +49,15 @@ def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
     assert abs(report["roofline_share"] - report["decode_tok_s"] / report["roofline_tok_s"]) < 1e-9
     assert report["gemv_read_bandwidth_gbs"] == 12.5
     assert report["roofline_share_gemv"] == pytest.approx(report["roofline_share"] * 10.0 / 12.5)
+    # KV read a step, from the checkpoint's config: K and V of every layer, float32, over the
+    # decode steps' contexts 8 + 1 .. 8 + 5 (mean 11 tokens)
+    cfg = json.loads((demo_model_dir("mixtral") / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4
+    assert report["kv_bytes_per_step"] == pytest.approx(per_token * 11)
+    weights = report["weight_bytes_per_step"]
+    assert report["roofline_share_with_kv"] == pytest.approx(
+        report["roofline_share"] * (weights + per_token * 11) / weights)
 
 
 def test_split_cores_are_disjoint_and_favour_the_experts():
