@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py [--checkpoint DIR] [--prompt-len 32] [--gen-len 64] [--threads 2]
                                  [--precisions f32,bf16,int8,int4] [--concurrency 1,4,8] [--rounds 1]
-                                 [--json out.json]
+                                 [--num-scheduler-steps 1] [--json out.json]
 
 Each system runs in its own process (so one's memory never slows another) on the same
 Mixtral-architecture checkpoint (made by make_checkpoint.py when absent: ~1.8 GB f32), at equal
@@ -14,7 +14,9 @@ file's codes, the Q6_K layers as int8; dense layers int8), so both read the same
 llama.cpp is llama-cpp-python built from its PyPI sdist (CMAKE_ARGS="-DGGML_NATIVE=ON"); the
 GGUF files come from the sdist's own vendor/llama.cpp/convert_hf_to_gguf.py and
 `llama_model_quantize`. When llama_cpp is not installed, or the sdist cannot be found, the
-llama.cpp rows are skipped with the reason. Tandem runs through `tandem bench`.
+llama.cpp rows are skipped with the reason. Tandem runs through `tandem bench`, with
+`--num-scheduler-steps N` passed on (multi-step decode: N greedy tokens in one native call, as
+`tandem serve --num-scheduler-steps` runs them; default 1, a Python step a token).
 
 Decode tok/s here is single-stream greedy decode; the roofline is read bandwidth (torch sum over
 1 GiB, measured again just before each precision's runs) over the bytes of weights one token reads
@@ -124,7 +126,8 @@ def tandem_bench(ckpt: Path, precision: str, args, experts_gguf: Path | None = N
     quants = QUANTS[precision]
     cmd = [sys.executable, "-m", "tandem.cli", "bench", "--model", str(ckpt), "--prompt-len", str(args.prompt_len),
            "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--dense-quant", quants[1],
-           "--threads", str(args.threads), "--device", "cpu", "--no-bandwidth", "--json"]
+           "--threads", str(args.threads), "--device", "cpu", "--no-bandwidth", "--json",
+           "--num-scheduler-steps", str(args.num_scheduler_steps)]
     if quants[0] == "gguf":
         cmd += ["--experts-gguf", str(experts_gguf)]
     else:
@@ -228,6 +231,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs of each precision's systems, one after another; with more than one, the row is "
                          "the median round and the medians of the rounds' ratios")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+                    help="Tandem's decode tokens per engine step (tandem bench's flag; default 1)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
@@ -250,7 +255,8 @@ def main() -> None:
     gemv_bandwidth = measure_read_bandwidth(threads=args.threads, method="gemv")
     report = {"checkpoint": str(args.checkpoint), "threads": args.threads, "read_bandwidth_gb_s": bandwidth,
               "gemv_read_bandwidth_gb_s": gemv_bandwidth,
-              "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": []}
+              "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+              "num_scheduler_steps": args.num_scheduler_steps, "rows": []}
     print(f"read bandwidth {bandwidth:.1f} GB/s (sum), {gemv_bandwidth:.1f} GB/s (GEMV), {args.threads} threads; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     llama_skip = "skipped by --skip" if "llama" in skip else llama_cpp_skip_reason()
