@@ -3,12 +3,16 @@ in the same process, on the comparison checkpoint.
 
     python benchmarks/step_profile.py [--checkpoint DIR] [--threads 2] [--expert-quant int8] [--dense-quant int8]
                                       [--streams 1] [--dtype bfloat16] [--isa avx512,avx512bf16]
+                                      [--num-scheduler-steps 8]
 
 Wall-clock timers around the routed experts (seen through an observing executor wrapper, as the
 serving metrics see them), the model's forward and its logits, and the attention metadata, over
-40-step decode windows of `--streams` concurrent streams (one batch a step), best of 3 per path, the paths alternating. The native
-path's "rest of forward" is the dense layers, attention and glue inside the native layer calls;
-its `native.*` entries split the native calls by phase (DecodeLayer's own clock), all layers together.
+40-token decode windows of `--streams` concurrent streams (one batch a step), best of 3 per path,
+the paths alternating. The torch path's "rest of forward" is its forward less the experts; the
+native path's steps bypass the model's forward (its timer reads 0), and its `native.*` entries
+split the native calls by phase (DecodeLayer's own clock), all layers together. With
+--num-scheduler-steps N, an engine step decodes N tokens (greedy runs: N steps in one native call)
+and every figure is per token.
 """
 
 from __future__ import annotations
@@ -52,21 +56,27 @@ def main() -> None:
     ap.add_argument("--dense-quant", default="int8")
     ap.add_argument("--streams", type=int, default=1, help="concurrent requests, decoded as one batch")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+                    help="decode tokens an engine step (multi-step: greedy runs in one native call)")
     ap.add_argument("--isa", default="", help="two instruction sets for the native path to alternate (e.g. "
                     "avx512,avx512bf16), in place of the native and torch paths")
     args = ap.parse_args()
+    if args.num_scheduler_steps < 1 or 40 % args.num_scheduler_steps:
+        ap.error("--num-scheduler-steps must divide the 40 tokens a window decodes")
     isas = args.isa.split(",") if args.isa else []
     if isas and len(isas) != 2:
         ap.error("--isa takes two instruction sets")
 
     import torch
 
+    from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
     from tandem.experts import native
 
     engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype=args.dtype, expert_threads=args.threads,
-                                       expert_quant=args.expert_quant, dense_quant=args.dense_quant)
+                                       expert_quant=args.expert_quant, dense_quant=args.dense_quant,
+                                       config=EngineConfig(num_scheduler_steps=args.num_scheduler_steps))
     torch.set_num_threads(args.threads)
     acc = dict.fromkeys(("experts", "model_forward", "logits", "metadata"), 0.0)
     model = engine.model
@@ -91,8 +101,8 @@ def main() -> None:
             engine.step()  # the first step after a switch builds or drops the native layers
             acc.update(dict.fromkeys(acc, 0.0))
             kernel.set_decode_profile(path != "torch")
-            steps, start = 40, time.perf_counter()
-            for _ in range(steps):
+            steps, start = 40, time.perf_counter()  # tokens, per stream
+            for _ in range(steps // args.num_scheduler_steps):
                 engine.step()
             row = {"step_ms": (time.perf_counter() - start) / steps * 1e3, **{k: v / steps * 1e3 for k, v in acc.items()}}
             if path != "torch":  # inside the native layer calls, all layers together
@@ -100,7 +110,8 @@ def main() -> None:
                 kernel.set_decode_profile(False)
                 assert phases.pop("calls") == steps * len(model.model.layers)
                 row.update({f"native.{k}": v / steps * 1e3 for k, v in phases.items()})
-            row["rest_of_forward"] = row["model_forward"] - row["experts"]
+            if row["model_forward"]:  # the native path's steps bypass the model's forward
+                row["rest_of_forward"] = row["model_forward"] - row["experts"]
             row["outside_forward"] = row["step_ms"] - row["model_forward"] - row["logits"]
             if path not in best or row["step_ms"] < best[path]["step_ms"]:
                 best[path] = row
