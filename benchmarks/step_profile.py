@@ -104,7 +104,8 @@ def main() -> None:
             steps, start = 40, time.perf_counter()  # tokens, per stream
             for _ in range(steps // args.num_scheduler_steps):
                 engine.step()
-            row = {"step_ms": (time.perf_counter() - start) / steps * 1e3, **{k: v / steps * 1e3 for k, v in acc.items()}}
+            row = {"step_ms": (time.perf_counter() - start) / steps * 1e3,
+                   **{k: v / steps * 1e3 for k, v in acc.items()}}
             if path != "torch":  # inside the native layer calls, all layers together
                 phases = kernel.decode_profile()
                 kernel.set_decode_profile(False)
