@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--direct", action="store_true", help="native: call the kernel itself, not the executor")
     ap.add_argument("--quick", action="store_true", help="small shapes and few steps: a smoke run")
     ap.add_argument("--isa", default="", help="native: comma-separated instruction sets to run it at "
-                    "(scalar, avx2, avx512; default the best this CPU has)")
+                    "(scalar, avx2, avx512, avx512bf16; default the best this CPU has)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     if args.quick:
