@@ -3,16 +3,18 @@ in the same process, on the comparison checkpoint.
 
     python benchmarks/step_profile.py [--checkpoint DIR] [--threads 2] [--expert-quant int8] [--dense-quant int8]
                                       [--streams 1] [--dtype bfloat16] [--isa avx512,avx512bf16]
-                                      [--num-scheduler-steps 8]
+                                      [--num-scheduler-steps 8] [--stream]
 
 Wall-clock timers around the routed experts (seen through an observing executor wrapper, as the
 serving metrics see them), the model's forward and its logits, and the attention metadata, over
 40-token decode windows of `--streams` concurrent streams (one batch a step), best of 3 per path,
 the paths alternating. The torch path's "rest of forward" is its forward less the experts; the
 native path's steps bypass the model's forward (its timer reads 0), and its `native.*` entries
-split the native calls by phase (DecodeLayer's own clock), all layers together. With
---num-scheduler-steps N, an engine step decodes N tokens (greedy runs: N steps in one native call)
-and every figure is per token.
+split the native calls by phase (DecodeLayer's own clock), all layers together; a greedy run's
+`native.head_argmax` (LM head and argmax) and `native.on_step` (the engine's callback as each
+token ends) are once a token. With --num-scheduler-steps N, an engine step decodes N tokens (greedy
+runs: N steps in one native call) and every figure is per token. --stream steps the engine as the
+server does, streaming each token as its step ends (LLMEngine.step's emit), so the callback runs.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
                     help="decode tokens an engine step (multi-step: greedy runs in one native call)")
+    ap.add_argument("--stream", action="store_true", help="stream each token as its step ends, as serving does")
     ap.add_argument("--isa", default="", help="two instruction sets for the native path to alternate (e.g. "
                     "avx512,avx512bf16), in place of the native and torch paths")
     args = ap.parse_args()
@@ -103,7 +106,7 @@ def main() -> None:
             kernel.set_decode_profile(path != "torch")
             steps, start = 40, time.perf_counter()  # tokens, per stream
             for _ in range(steps // args.num_scheduler_steps):
-                engine.step()
+                engine.step(emit=(lambda outputs: None) if args.stream else None)
             row = {"step_ms": (time.perf_counter() - start) / steps * 1e3,
                    **{k: v / steps * 1e3 for k, v in acc.items()}}
             if path != "torch":  # inside the native layer calls, all layers together

@@ -253,3 +253,25 @@ def test_a_greedy_run_rejects_bad_input_and_leaves_the_cache_alone(demo_model_di
                              [v for _, v in caches], torch.tensor([[3], [4]]), torch.tensor([[3], [9999]]),
                              torch.tensor([[0]]), 0, path.final_norm, path.final_eps, path.head, tokens)
     assert tokens.tolist() == [[good, -1]]
+
+
+def test_the_phase_profile_times_a_greedy_runs_head_and_callback_once_a_step(demo_model_dir):
+    e = LLMEngine.from_pretrained(demo_model_dir("mixtral"), device="cpu", dtype="float32",
+                                  config=EngineConfig(num_scheduler_steps=4))
+    kernel, layers = native.load_kernel(), len(e.model.model.layers)
+    e.generate([[5, 6, 7]], GREEDY)  # warm: the native layers are built
+    before = e.model.native_path.greedy_steps
+    kernel.set_decode_profile(True)
+    try:
+        e.add_request("profiled", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+        streamed = []
+        while e.has_unfinished_requests():
+            e.step(emit=streamed.extend)  # the streaming callback: decode_greedy's on_step
+        profile = kernel.decode_profile()
+    finally:
+        kernel.set_decode_profile(False)
+    steps = e.model.native_path.greedy_steps - before
+    assert steps == 4 and len(streamed) == 4  # the greedy steps stream their tokens as each ends
+    assert profile["calls"] == steps * layers  # counted by the layers, not by the greedy run's clock
+    assert profile["head_argmax"] > 0 and profile["on_step"] > 0 and profile["experts"] > 0
+    assert kernel.decode_profile()["head_argmax"] == 0.0  # off: the sums restart

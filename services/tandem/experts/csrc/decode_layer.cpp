@@ -207,20 +207,24 @@ void route(const float* logits, int64_t T, int64_t E, int64_t k, bool normalize,
 
 // Wall-clock time per phase of the decode layer, summed over calls while on (set_profile): what
 // benchmarks/step_profile.py reports. Off, each phase mark is one relaxed load.
-enum Phase { kInputNorm, kQKV, kRopeCache, kAttend, kOProj, kRouter, kExperts, kPhases };
+// The last two are decode_greedy's, once a step: the LM head with its argmax, and the engine's
+// callback (which takes the GIL).
+enum Phase { kInputNorm, kQKV, kRopeCache, kAttend, kOProj, kRouter, kExperts, kHead, kOnStep, kPhases };
 constexpr const char* kPhaseNames[kPhases] = {"input_norm", "qkv", "qk_norm_rope_kv_write", "attention",
-                                              "o_proj_residual", "post_norm_router", "experts"};
+                                              "o_proj_residual", "post_norm_router", "experts", "head_argmax",
+                                              "on_step"};
 std::atomic<bool> g_profile{false};
 double g_phase_seconds[kPhases] = {};
 int64_t g_profiled_calls = 0;
 
-// One per call: counts the call when profiling is on, then marks where each phase ends.
+// One per layer call: counts the call when profiling is on (decode_greedy's, counted false, is
+// once a step), then marks where each phase ends.
 struct PhaseClock {
   bool on = g_profile.load(std::memory_order_relaxed);
   std::chrono::steady_clock::time_point last =
       on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
-  PhaseClock() {
-    if (on) ++g_profiled_calls;
+  explicit PhaseClock(bool counted = true) {
+    if (on && counted) ++g_profiled_calls;
   }
   void mark(Phase p) {
     if (!on) return;
@@ -589,16 +593,20 @@ std::tuple<std::vector<std::vector<double>>, std::vector<std::vector<at::Tensor>
     auto [h, layer_seconds, layer_ids] =
         decode_layers(layers, x, cos, sin, k_caches, v_caches, slots.select(0, s), block_tables, step_positions + 1,
                       sliding_window, final_norm, final_eps, data_fd, spin_us, timeout_ms);
+    PhaseClock clock(false);
     head(h, logits);
     for (int64_t b = 0; b < B; ++b) {
       tp[b * S + s] = argmax_row(logits.data_ptr<float>() + b * N, N);
       current[b] = std::max<int64_t>(tp[b * S + s], 0);  // a sequence ended by kNoToken is fed a real id
     }
+    clock.mark(kHead);
     seconds.push_back(std::move(layer_seconds));
     expert_ids.push_back(std::move(layer_ids));
     if (!on_step.is_none()) {
       pybind11::gil_scoped_acquire gil;
-      if (!pybind11::bool_(on_step(s))) break;
+      const bool go_on = pybind11::bool_(on_step(s));
+      clock.mark(kOnStep);
+      if (!go_on) break;
     }
   }
   return {std::move(seconds), std::move(expert_ids)};
