@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py [--checkpoint DIR] [--prompt-len 32] [--gen-len 64] [--threads 2]
                                  [--precisions f32,bf16,int8,int4] [--concurrency 1,4,8] [--rounds 1]
-                                 [--num-scheduler-steps 1] [--json out.json]
+                                 [--num-scheduler-steps 1] [--paired-rounds 0] [--json out.json]
 
 Each system runs in its own process (so one's memory never slows another) on the same
 Mixtral-architecture checkpoint (made by make_checkpoint.py when absent: ~1.8 GB f32), at equal
@@ -16,7 +16,9 @@ GGUF files come from the sdist's own vendor/llama.cpp/convert_hf_to_gguf.py and
 `llama_model_quantize`. When llama_cpp is not installed, or the sdist cannot be found, the
 llama.cpp rows are skipped with the reason. Tandem runs through `tandem bench`, with
 `--num-scheduler-steps N` passed on (multi-step decode: N greedy tokens in one native call, as
-`tandem serve --num-scheduler-steps` runs them; default 1, a Python step a token).
+`tandem serve --num-scheduler-steps` runs them; default 1, a Python step a token), and with
+`--paired-rounds N` Tandem's own roofline share paired in its process (`tandem bench
+--paired-rounds`: N decodes, each between two bandwidth reads) beside the one below.
 
 Decode tok/s here is single-stream greedy decode; the roofline is read bandwidth (torch sum over
 1 GiB, measured again just before each precision's runs) over the bytes of weights one token reads
@@ -126,8 +128,9 @@ def tandem_bench(ckpt: Path, precision: str, args, experts_gguf: Path | None = N
     quants = QUANTS[precision]
     cmd = [sys.executable, "-m", "tandem.cli", "bench", "--model", str(ckpt), "--prompt-len", str(args.prompt_len),
            "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--dense-quant", quants[1],
-           "--threads", str(args.threads), "--device", "cpu", "--no-bandwidth", "--json",
+           "--threads", str(args.threads), "--device", "cpu", "--json",
            "--num-scheduler-steps", str(args.num_scheduler_steps)]
+    cmd += ["--paired-rounds", str(args.paired_rounds)] if args.paired_rounds else ["--no-bandwidth"]
     if quants[0] == "gguf":
         cmd += ["--experts-gguf", str(experts_gguf)]
     else:
@@ -233,6 +236,9 @@ def main() -> None:
                          "the median round and the medians of the rounds' ratios")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
                     help="Tandem's decode tokens per engine step (tandem bench's flag; default 1)")
+    ap.add_argument("--paired-rounds", type=int, default=0, metavar="N",
+                    help="tandem bench's: N decodes each between two bandwidth reads in its process, for its "
+                         "paired roofline share (default 0: none)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
@@ -328,6 +334,8 @@ def combine_rounds(rounds: list[dict]) -> dict:
                             ("roofline", r["roofline_tok_s"])):
             if other:
                 ratios[name].append(t / other)
+        if "roofline_share_paired" in r["tandem"]:
+            ratios.setdefault("paired roofline", []).append(r["tandem"]["roofline_share_paired"])
     row["round_ratios"] = {k: v for k, v in ratios.items() if v}
     row["median_ratios"] = {k: statistics.median(v) for k, v in row["round_ratios"].items()}
     row["rounds"] = [{"read_bandwidth_gb_s": r["read_bandwidth_gb_s"], "tandem": decode(r.get("tandem")),
@@ -354,6 +362,9 @@ def format_row(row: dict) -> str:
     if t and "decode_tok_s" in t:
         parts.append(f"tandem roofline share {t['decode_tok_s'] / row['roofline_tok_s']:.0%}"
                      f" (GEMV roofline {t['decode_tok_s'] / row['gemv_roofline_tok_s']:.0%})")
+        if "roofline_share_paired" in t:
+            parts.append(f"paired in its process {t['roofline_share_paired']:.0%}"
+                         f" ({t['read_bandwidth_paired_gbs']:.1f} GB/s)")
         for other, name in ((ll, "llama.cpp"), (hf, "transformers")):
             if other and "decode_tok_s" in other:
                 parts.append(f"{t['decode_tok_s'] / other['decode_tok_s']:.2f}x {name}")

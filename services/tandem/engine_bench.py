@@ -6,6 +6,13 @@ bytes read per step / read bandwidth. Bytes read per step count the distinct exp
 touched (measured, per layer) plus every other weight (attention, dense, router, LM head). The
 KV cache a step attends to is read too: `roofline_share_with_kv` adds it (the single-stream
 decode's mean context, in the cache's dtype), beside the weights-only `roofline_share`.
+
+The read bandwidth is measured before the engine loads (best of 5, as STREAM reports it), and
+again beside the decode: `--paired-rounds` single-stream decodes, each between two `sum` reads
+(best of 3) taken in the same process seconds apart, give `roofline_share_paired`, the median of
+the rounds' shares. A VM's bandwidth moves from minute to minute (26.8-52.1 GB/s within one
+session on the development VM), so a share read against a bandwidth taken at another moment is
+as much that drift as the decode.
 """
 
 from __future__ import annotations
@@ -136,8 +143,44 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
+def decode_run(engine, prompts: list[list[int]], gen_len: int, traffic: ExpertTraffic | None) -> tuple[dict, float]:
+    """run_requests, and the bytes of weights each of its decode steps read: the distinct experts
+    the steps touched (without the prefill's) and every other weight."""
+    before = traffic.bytes if traffic else 0
+    run = run_requests(engine, prompts, gen_len)
+    bytes_per_step = dense_weight_bytes(engine.model)
+    if traffic is not None:
+        # Expert bytes for the decode steps only: subtract the prefill's share (its first step).
+        steps = len(run["itl"])
+        bytes_per_step += (traffic.bytes - before) / max(1, steps + 1)
+    return run, bytes_per_step
+
+
+def paired_roofline(engine, prompt, gen_len: int, traffic: ExpertTraffic | None, read_bandwidth,
+                    rounds: int) -> dict:
+    """`rounds` single-stream decodes of prompt(), each between two calls of read_bandwidth() (GB/s):
+    each round's roofline share against the mean of its two reads, and the medians."""
+    from tandem.bench import roofline_share
+
+    out = []
+    for _ in range(rounds):
+        before = read_bandwidth()
+        run, bytes_per_step = decode_run(engine, prompt(), gen_len, traffic)
+        after = read_bandwidth()
+        tok_s = len(run["itl"]) / sum(run["itl"])
+        bandwidth = (before + after) / 2
+        out.append({"read_bandwidth_gbs": [before, after], "decode_tok_s": tok_s,
+                    "weight_bytes_per_step": bytes_per_step,
+                    "roofline_share": roofline_share(bytes_per_step, tok_s, bandwidth)})
+    return {"read_bandwidth_paired_gbs": statistics.median(sum(r["read_bandwidth_gbs"]) / 2 for r in out),
+            "roofline_share_paired": statistics.median(r["roofline_share"] for r in out),
+            "paired_rounds": out}
+
+
 def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwidth: dict | None,
-          traffic: ExpertTraffic | None) -> dict:
+          traffic: ExpertTraffic | None, read_bandwidth=None, paired_rounds: int = 0) -> dict:
+    """The report of `tandem bench`. bandwidth: {"sum": GB/s, "gemv": GB/s} measured before, or None;
+    read_bandwidth: a call that measures it again (GB/s), for `paired_rounds` (see paired_roofline)."""
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -151,8 +194,7 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
     t = time.perf_counter()
     run_requests(engine, prompts(1), 1)
     prefill_s = time.perf_counter() - t
-    before = traffic.bytes if traffic else 0
-    single = run_requests(engine, prompts(1), gen_len)
+    single, bytes_per_step = decode_run(engine, prompts(1), gen_len, traffic)
     decode_steps = len(single["itl"])
     decode_s = sum(single["itl"])
     native = engine.model.native_path  # tandem.model.native_decode: None when the torch layers decode
@@ -166,12 +208,6 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
         "ttft_s": single["ttft"][0],
         "itl_p50_s": percentile(single["itl"], 50), "itl_p95_s": percentile(single["itl"], 95),
     }
-    if traffic is not None:
-        # Expert bytes for the decode steps only: subtract the prefill's share (its first step).
-        expert_bytes = (traffic.bytes - before) * decode_steps / max(1, decode_steps + 1)
-        bytes_per_step = expert_bytes / max(1, decode_steps) + dense_weight_bytes(engine.model)
-    else:
-        bytes_per_step = dense_weight_bytes(engine.model)
     result["weight_bytes_per_step"] = bytes_per_step
     result["kv_bytes_per_step"] = kv = kv_bytes_per_step(engine, prompt_len, gen_len)
     if bandwidth:  # {"sum": GB/s, "gemv": GB/s}; the roofline is `sum`'s (see tandem.bench)
@@ -183,6 +219,8 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
                                                             bandwidth["sum"]),
                       gemv_read_bandwidth_gbs=bandwidth["gemv"],
                       roofline_share_gemv=roofline_share(bytes_per_step, result["decode_tok_s"], bandwidth["gemv"]))
+    if read_bandwidth is not None and paired_rounds > 0:
+        result.update(paired_roofline(engine, lambda: prompts(1), gen_len, traffic, read_bandwidth, paired_rounds))
     result["concurrency"] = {}
     for c in concurrency:
         run = run_requests(engine, prompts(c), gen_len)
@@ -217,6 +255,9 @@ def add_bench_parser(sub) -> None:
                             "the operator's pods do, so that on CUDA large prefill chunks' experts run on the GPU"),
     ]
     p.add_argument("--no-bandwidth", action="store_true", help="skip measuring this machine's read bandwidth")
+    p.add_argument("--paired-rounds", type=int, default=3,
+                   help="single-stream decodes, each between two read-bandwidth measurements in this process, "
+                        "for roofline_share_paired (default 3; 0: none)")
     from tandem.cli import add_engine_args
 
     add_engine_args(p)
@@ -233,6 +274,8 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
     if args.prompt_len < 1 or args.gen_len < 2 or args.rounds < 1 or any(c < 1 for c in concurrency):
         raise UsageError("--prompt-len must be >= 1, --gen-len >= 2, --rounds >= 1 and every concurrency >= 1")
+    if args.paired_rounds < 0:
+        raise UsageError(f"--paired-rounds must be >= 0, got {args.paired_rounds}")
     given = flags_given(args, args.split_flags)
     if args.mode != "split" and given:
         raise UsageError(f"{', '.join(given)}: for --mode split")
@@ -277,8 +320,11 @@ def bench_engine(args, concurrency: list[int], bandwidth: dict | None) -> dict:
 def bench_built(engine, args, concurrency: list[int], bandwidth: dict | None,
                 bytes_per_expert: dict[int, int]) -> dict:
     """`bench` an engine already built, counting its expert traffic at `bytes_per_expert`."""
+    from tandem.bench import measure_read_bandwidth
+
     traffic = instrument(engine, bytes_per_expert)
-    return bench(engine, args.prompt_len, args.gen_len, concurrency, bandwidth, traffic)
+    read = None if bandwidth is None else lambda: measure_read_bandwidth(repeats=3, threads=args.threads)
+    return bench(engine, args.prompt_len, args.gen_len, concurrency, bandwidth, traffic, read, args.paired_rounds)
 
 
 def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:

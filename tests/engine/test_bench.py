@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections import namedtuple
 
 import pytest
@@ -35,11 +36,24 @@ def test_dense_bytes_count_the_tied_head_once(demo_model_dir):
 def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
     import tandem.bench
 
-    monkeypatch.setattr(tandem.bench, "measure_read_bandwidth",
-                        lambda threads=None, method="sum": {"sum": 10.0, "gemv": 12.5}[method])
+    paired = iter([20.0, 40.0, 18.0, 42.0])  # the reads around each paired round: a mean of 30 each
+
+    def read(threads=None, method="sum", repeats=5):
+        return {"sum": 10.0, "gemv": 12.5}[method] if repeats == 5 else next(paired)
+
+    monkeypatch.setattr(tandem.bench, "measure_read_bandwidth", read)
     assert main(["bench", "--model", str(demo_model_dir("mixtral")), "--prompt-len", "8", "--gen-len", "6",
-                 "--concurrency", "1,2", "--device", "cpu", "--json"]) == 0
+                 "--concurrency", "1,2", "--device", "cpu", "--paired-rounds", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert next(paired, None) is None  # two reads a round
+    # each paired round's share is read against the mean of the two reads beside it
+    assert report["read_bandwidth_paired_gbs"] == 30.0
+    rounds = report["paired_rounds"]
+    assert [r["read_bandwidth_gbs"] for r in rounds] == [[20.0, 40.0], [18.0, 42.0]]
+    for r in rounds:
+        assert r["decode_tok_s"] > 0 and r["weight_bytes_per_step"] >= report["weight_bytes_per_step"] * 0.5
+        assert r["roofline_share"] == pytest.approx(r["weight_bytes_per_step"] * r["decode_tok_s"] / 30e9)
+    assert report["roofline_share_paired"] == pytest.approx(statistics.median(r["roofline_share"] for r in rounds))
     assert report["decode_tok_s"] > 0 and report["prefill_tok_s"] > 0
     assert report["decode_path"] == "native"  # the float32 Mixtral decodes through the native layers
     assert report["itl_p50_s"] <= report["itl_p95_s"]
@@ -162,6 +176,7 @@ def test_bench_rejects_zero_rounds(demo_model_dir, capsys):
     (["--max-model-len", "64", "--prompt-len", "60", "--gen-len", "8"], "is more than the 64 tokens"),
     (["--max-model-len", "5000"], "--max-model-len 5000 is more than the model's context"),
     (["--rounds", "3", "--spin-us", "0"], "--rounds, --spin-us: for --mode split"),
+    (["--paired-rounds", "-1"], "--paired-rounds must be >= 0, got -1"),
 ])
 def test_bench_refuses_what_it_cannot_run_before_measuring_anything(demo_model_dir, capsys, monkeypatch, argv,
                                                                      message):
