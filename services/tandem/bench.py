@@ -11,26 +11,34 @@ what a BLAS GEMV reads (`method="gemv"`) is reported beside it: where it reads f
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
 
-def best_seconds(fn, repeats: int = 5) -> float:
-    """The fastest of `repeats` timed calls of fn, after one untimed call (warm-up: first-touch
-    page faults, caches, lazy initialisation)."""
+def timed_seconds(fn, repeats: int = 5) -> list[float]:
+    """`repeats` timed calls of fn, after one untimed call (warm-up: first-touch page faults,
+    caches, lazy initialisation)."""
     fn()
-    best = float("inf")
+    out = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def best_seconds(fn, repeats: int = 5) -> float:
+    """The fastest of `repeats` timed calls of fn (see timed_seconds)."""
+    return min(timed_seconds(fn, repeats))
 
 
 def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, threads: int | None = None,
-                           method: str = "sum") -> float:
-    """Read bandwidth in GB/s: the best of `repeats` reads of `size_bytes` of float32.
+                           method: str = "sum", statistic: str = "best") -> float:
+    """Read bandwidth in GB/s: the best (or, statistic "median", the median) of `repeats` reads of
+    `size_bytes` of float32. The best is what STREAM reports; the median is the rate a read keeps,
+    which a VM's brief bursts (single reads 60-75% above the rest on the development VM) do not move.
 
     method "sum" (the roofline decode is measured against): a torch `sum`, which reads every
     byte once and writes nothing, the access pattern of decode streaming weights.
@@ -43,6 +51,8 @@ def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, threads:
         raise ValueError(f"size_bytes must be at least 1 MiB to measure RAM, got {size_bytes}")
     if method not in ("sum", "gemv"):
         raise ValueError(f"method must be 'sum' or 'gemv', got {method!r}")
+    if statistic not in ("best", "median"):
+        raise ValueError(f"statistic must be 'best' or 'median', got {statistic!r}")
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -54,7 +64,8 @@ def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, threads:
             x = torch.ones(size_bytes // (4 * 4096), 4096, dtype=torch.float32)  # 1 MiB and up: >= 64 rows
             v = torch.ones(1, 4096, dtype=torch.float32)
             read = lambda: torch.nn.functional.linear(v, x)  # noqa: E731
-        return x.numel() * 4 / best_seconds(read, repeats) / 1e9
+        seconds = timed_seconds(read, repeats)
+        return x.numel() * 4 / (min(seconds) if statistic == "best" else statistics.median(seconds)) / 1e9
     finally:
         torch.set_num_threads(before)
 

@@ -9,10 +9,11 @@ decode's mean context, in the cache's dtype), beside the weights-only `roofline_
 
 The read bandwidth is measured before the engine loads (best of 5, as STREAM reports it), and
 again beside the decode: `--paired-rounds` single-stream decodes, each between two `sum` reads
-(best of 3) taken in the same process seconds apart, give `roofline_share_paired`, the median of
-the rounds' shares. A VM's bandwidth moves from minute to minute (26.8-52.1 GB/s within one
-session on the development VM), so a share read against a bandwidth taken at another moment is
-as much that drift as the decode.
+(the median of 5: the rate a read keeps, as a decode must) taken in the same process seconds
+apart, give `roofline_share_paired`, the median of the rounds' shares. A VM's bandwidth moves from
+minute to minute (26.8-52.1 GB/s within one session on the development VM), and single reads burst
+well above the rest, so a share read against a best-of read taken at another moment is as much
+that noise as the decode.
 """
 
 from __future__ import annotations
@@ -323,7 +324,7 @@ def bench_built(engine, args, concurrency: list[int], bandwidth: dict | None,
     from tandem.bench import measure_read_bandwidth
 
     traffic = instrument(engine, bytes_per_expert)
-    read = None if bandwidth is None else lambda: measure_read_bandwidth(repeats=3, threads=args.threads)
+    read = None if bandwidth is None else lambda: measure_read_bandwidth(threads=args.threads, statistic="median")
     return bench(engine, args.prompt_len, args.gen_len, concurrency, bandwidth, traffic, read, args.paired_rounds)
 
 

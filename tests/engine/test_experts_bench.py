@@ -29,6 +29,17 @@ def test_read_bandwidth_refuses_tiny_sizes_and_unknown_methods():
         measure_read_bandwidth(size_bytes=1000)
     with pytest.raises(ValueError, match="'sum' or 'gemv'"):
         measure_read_bandwidth(size_bytes=8 << 20, method="copy")
+    with pytest.raises(ValueError, match="statistic must be 'best' or 'median'"):
+        measure_read_bandwidth(size_bytes=8 << 20, statistic="mean")
+
+
+def test_read_bandwidth_takes_the_best_or_the_median_read(monkeypatch):
+    import tandem.bench
+
+    monkeypatch.setattr(tandem.bench, "timed_seconds", lambda fn, repeats: [0.004, 0.001, 0.002])
+    size = 8 << 20
+    assert measure_read_bandwidth(size_bytes=size) == pytest.approx(size / 0.001 / 1e9)
+    assert measure_read_bandwidth(size_bytes=size, statistic="median") == pytest.approx(size / 0.002 / 1e9)
 
 
 def test_roofline_share():
