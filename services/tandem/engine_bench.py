@@ -11,9 +11,10 @@ The read bandwidth is measured before the engine loads (best of 5, as STREAM rep
 again beside the decode: `--paired-rounds` single-stream decodes, each between two `sum` reads
 (the median of 5: the rate a read keeps, as a decode must) taken in the same process seconds
 apart, give `roofline_share_paired`, the median of the rounds' shares. A VM's bandwidth moves from
-minute to minute (26.8-52.1 GB/s within one session on the development VM), and single reads burst
-well above the rest, so a share read against a best-of read taken at another moment is as much
-that noise as the decode.
+minute to minute (26.8-52.1 GB/s within one session on the development VM), so a share read against
+a bandwidth taken at another moment is as much that drift as the decode. The reads' buffers are
+fresh each time, and where one's pages land can read far faster than the memory the weights sit
+in (benchmarks/RESULTS.md, round thirty-two): the median over rounds keeps one such draw out.
 """
 
 from __future__ import annotations
