@@ -121,6 +121,39 @@ def test_chunks_per_thread_out_of_range_are_refused(kernel_module):
     assert kernel_module.chunks_per_thread() == before
 
 
+# The weight streams' software prefetch (moe_cpu.cpp's set_weight_prefetch) changes when bytes
+# arrive, never which: every distance, none included, must give the same numbers exactly, on every
+# instruction set this CPU runs (the AVX2 and AVX-512 kernels each call it from their own loops).
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_every_weight_prefetch_distance_gives_the_same_numbers(layers, kernel_module, quant):
+    ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2)
+    hidden, ids, weights = batch(5, seed=6)
+    isa, before = kernel_module.isa(), kernel_module.weight_prefetch()
+    try:
+        for target in kernel_module.supported_isas():
+            kernel_module.set_isa(target)
+            outs = {}
+            for ahead in (0, 64, 1024, 8192):
+                kernel_module.set_weight_prefetch(ahead)
+                assert kernel_module.weight_prefetch() == ahead
+                outs[ahead] = ex.forward(5, hidden, ids, weights)
+            for ahead, got in outs.items():
+                assert torch.equal(got, outs[0]), (target, ahead)
+    finally:
+        kernel_module.set_isa(isa)
+        kernel_module.set_weight_prefetch(before)
+    assert_kernel_close(outs[0], dequantized_reference(ex, 5).forward(5, hidden, ids, weights), quant,
+                        isa=kernel_module.supported_isas()[-1])
+
+
+def test_weight_prefetch_out_of_range_or_off_a_cache_line_is_refused(kernel_module):
+    before = kernel_module.weight_prefetch()
+    for bad in (-64, 100, 8256):
+        with pytest.raises(RuntimeError, match="weight prefetch must be 0..8192 bytes, a multiple of 64"):
+            kernel_module.set_weight_prefetch(bad)
+    assert kernel_module.weight_prefetch() == before
+
+
 def assert_kernel_close(got, want, quant: str, gemm: bool = False, isa: str = "") -> None:
     """f32 rounding, except int8/int4 rows on SIMD kernels, whose activations are quantized to
     int8 per 32 values as llama.cpp's Q8_0 (rounding error ~0.3% per value, well under 2% after

@@ -225,7 +225,12 @@ struct V {
 
 using T = V::T;
 constexpr int W = V::W;
-constexpr int kPrefetch = 1024;  // bytes ahead of the weight stream
+// Prefetch the weight stream at p weight_prefetch() bytes ahead (nothing where that is 0; see
+// moe_cpu.cpp). Rows are stored back to back, so this runs on into the next row and the stream
+// never stalls at a row (often a 4 KiB page) boundary the hardware prefetcher stops at.
+static inline void prefetch_weights(const void* p) {
+  if (const int64_t ahead = g_weight_prefetch) _mm_prefetch(static_cast<const char*>(p) + ahead, _MM_HINT_T0);
+}
 
 struct LoadF32 {
   using E = float;
@@ -250,9 +255,7 @@ static void dot_dense(const typename L::E* w, int64_t K, const float* const* x, 
   for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = V::zero();
   int64_t k = 0;
   for (; k + 2 * W <= K; k += 2 * W) {
-    // Rows are stored back to back: prefetching ahead runs on into the next row, so the
-    // stream never stalls at a row (often a 4 KiB page) boundary the hardware prefetcher stops at.
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetch, _MM_HINT_T0);
+    prefetch_weights(w + k);
     const T w0 = L::load(w + k), w1 = L::load(w + k + W);
     for (int t = 0; t < NT; ++t) {
       acc0[t] = V::fma(w0, V::load(x[t] + k), acc0[t]);
@@ -279,8 +282,8 @@ static void dot_dense2(const typename L::E* w0, const typename L::E* w1, int64_t
   for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = V::zero();
   int64_t k = 0;
   for (; k + W <= K; k += W) {
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + k) + kPrefetch, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + k) + kPrefetch, _MM_HINT_T0);
+    prefetch_weights(w0 + k);
+    prefetch_weights(w1 + k);
     const T v0 = L::load(w0 + k), v1 = L::load(w1 + k);
     for (int t = 0; t < NT; ++t) {
       const T xv = V::load(x[t] + k);
@@ -314,7 +317,7 @@ static void dot_bf16_rows(const uint16_t* const* w, int64_t K, const Act* a, flo
   for (int64_t k = 0; k < vec; k += 32) {
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kPrefetch, _MM_HINT_T0);
+      prefetch_weights(w[r] + k);
       v[r] = (__m512bh)_mm512_loadu_si512(w[r] + k);
     }
     for (int t = 0; t < NT; ++t) {
@@ -441,7 +444,7 @@ static inline void int8_run(const int8_t* const* w, int64_t s0, int64_t s1, cons
     for (int t = 0; t < NT; ++t) sum[r][t] = _mm256_setzero_si256();
   for (int64_t i = s0; i < s1; ++i)
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i * V::kI8) + kPrefetch, _MM_HINT_T0);
+      prefetch_weights(w[r] + i * V::kI8);
       const V::I8 u = V::unpack_i8(w[r] + i * V::kI8);
       for (int t = 0; t < NT; ++t) sum[r][t] = _mm256_add_epi32(sum[r][t], V::dot_i8(u, a[t].q + i * V::kI8));
     }
@@ -461,7 +464,7 @@ static void dot_int8(const int8_t* w, int64_t K, const Act* a, float* res) {
   T acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = V::zero();
   for (int64_t i = 0; i < steps; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + i * V::kI8) + kPrefetch, _MM_HINT_T0);
+    prefetch_weights(w + i * V::kI8);
     for (int t = 0; t < NT; ++t) {
       const T dot = V::cvt(V::dot_i8_q8(w + i * V::kI8, a[t].q + i * V::kI8));
       acc[t] = V::fma(dot, V::load(a[t].dexp + i * W), acc[t]);
@@ -513,7 +516,7 @@ static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn
   T acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = V::zero();
   for (int64_t sb = 0; sb < supers; ++sb) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + sb * kSuper * 16) + kPrefetch, _MM_HINT_T0);
+    prefetch_weights(w + sb * kSuper * 16);
     const __m128 sv = superblock_scales(scale, sb, shift);
     for (int t = 0; t < NT; ++t) {
       const __m128 sd = _mm_mul_ps(sv, _mm_loadu_ps(a[t].d + sb * kSuper));  // reads 4 floats; see Act
@@ -566,7 +569,7 @@ static void dot_int4_iscaled(const uint8_t* const* w, const int16_t* const* isc,
       for (int t = 0; t < NT; ++t) sum[r][t] = _mm256_setzero_si256();
     for (int64_t sb = s0; sb < s1; ++sb)
       for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(w[r] + sb * kSuper * 16) + kPrefetch, _MM_HINT_T0);
+        prefetch_weights(w[r] + sb * kSuper * 16);
         const __m256i sv = superblock_iscales(isc[r], sb, shift);
         const V::I4 u = V::unpack_i4(w[r] + sb * kSuper * 16);
         for (int t = 0; t < NT; ++t)
@@ -736,7 +739,7 @@ static void row_dot2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const 
 // four and 26.4 from four prefetched ahead (benchmarks/read_streams.cpp); torch's `sum` reads
 // 18-20 there. So the callers give these kernels four rows from four different parts of their
 // range (each a page or more apart) and walk the parts in lockstep: four streams in flight,
-// each prefetched kPrefetch bytes ahead, each activation load shared by the four rows.
+// each prefetched ahead (prefetch_weights), each activation load shared by the four rows.
 
 // Token tile of the four-row kernels: 4 rows x kTile4 tokens of accumulators fit the registers
 // (32 zmm; 16 ymm leave room for 4 x 2 and the operands).
@@ -752,7 +755,7 @@ static void dot_dense4(const typename L::E* const* w, int64_t K, const float* co
   for (; k + W <= K; k += W) {
     T v[4];
     for (int r = 0; r < 4; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kPrefetch, _MM_HINT_T0);
+      prefetch_weights(w[r] + k);
       v[r] = L::load(w[r] + k);
     }
     for (int t = 0; t < NT; ++t) {
@@ -780,7 +783,7 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
 #if TANDEM_WIDE
   for (int64_t i = 0; i < steps; ++i) {
     for (int r = 0; r < 4; ++r)
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i * V::kI8) + kPrefetch, _MM_HINT_T0);
+      prefetch_weights(w[r] + i * V::kI8);
     // Row by row, each row's |w| (or w + 128) made once for all NT tokens (not once per token).
     for (int r = 0; r < 4; ++r) {
       const V::I8 u = V::unpack_i8(w[r] + i * V::kI8);
@@ -814,7 +817,7 @@ static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, co
     for (int t = 0; t < NT; ++t) d[t] = _mm_loadu_ps(a[t].d + sb * kSuper);  // reads 4 floats; see Act
     // Row by row, each row's nibbles unpacked once for all NT tokens (not once per token).
     for (int r = 0; r < 4; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + sb * kSuper * 16) + kPrefetch, _MM_HINT_T0);
+      prefetch_weights(w[r] + sb * kSuper * 16);
       const __m128 sv = superblock_scales(scale[r], sb, shift);
       const V::I4 u = V::unpack_i4(w[r] + sb * kSuper * 16);
       for (int t = 0; t < NT; ++t) {

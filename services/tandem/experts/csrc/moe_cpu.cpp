@@ -39,6 +39,24 @@ static void set_chunks_per_thread(int64_t chunks) {
 
 static int64_t chunks_per_thread() { return g_chunks_per_thread.load(std::memory_order_relaxed); }
 
+// Bytes ahead of each weight stream the kernels prefetch in software (prefetch_weights; 0: none,
+// the hardware prefetchers alone). 1 KiB took four streams of 1 KiB rows from 23.9 to 26.4 GB/s
+// on round seven's Sapphire Rapids VM. On AMD cores with AVX-512 (Zen 4 and later) the default is
+// none: on the Zen 4 development VM the prefetches held the streams back, int8 decode 12-20%
+// slower with them and bf16 up to 10%, int4 unchanged (benchmarks/RESULTS.md, round thirty-three).
+// Read by the kernels as they run: set it between calls (set_weight_prefetch), not during one.
+static int64_t default_weight_prefetch() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f") ? 0 : 1024;
+}
+static int64_t g_weight_prefetch = default_weight_prefetch();
+
+static void set_weight_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes <= 8192 && bytes % 64 == 0,
+              "weight prefetch must be 0..8192 bytes, a multiple of 64 (a cache line), got ", bytes);
+  g_weight_prefetch = bytes;
+}
+
 // fn(c) for c in [0, chunks), chunk by chunk to the threads as they come free (chunk order
 // within a thread is ascending). On one thread, or inside a parallel region, in order here.
 template <class F>
@@ -624,6 +642,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_chunks_per_thread", &tandem::set_chunks_per_thread,
         "chunks a parallel region's work is cut into per thread, taken as threads come free (1..64)");
   m.def("chunks_per_thread", &tandem::chunks_per_thread, "see set_chunks_per_thread");
+  m.def("set_weight_prefetch", &tandem::set_weight_prefetch,
+        "bytes ahead of each weight stream the kernels prefetch (0: none; between calls, not during one)");
+  m.def("weight_prefetch", [] { return tandem::g_weight_prefetch; }, "see set_weight_prefetch");
   tandem::bind_decode_layer(m);
   tandem::bind_data_plane(m);
 }
