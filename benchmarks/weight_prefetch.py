@@ -1,0 +1,103 @@
+"""The kernels' software prefetch of the weight streams (tandem_moe_cpu.set_weight_prefetch), one
+distance against another, in the same process, alternating step by step, split by how fast the
+memory read just before each timed step.
+
+    python benchmarks/weight_prefetch.py [--checkpoint DIR] [--precision int8] [--prefetch 0,1024]
+                                         [--seconds 60] [--threads 2]
+
+Single-stream greedy decode at multi-step 8 (one engine step decodes 8 tokens). Each turn sets the
+next `--prefetch` distance, runs one untimed step, reads a 1 GiB float32 buffer with torch `sum`
+(flushing the caches, as a serving step's other work would, and measuring the memory at that
+moment), runs one more untimed step and then the timed one. Requests of 96 tokens are added as
+they finish. On the development VM the rate `sum` reads moves between ~30 and ~55-60 GB/s over
+seconds, whatever the buffer (benchmarks/RESULTS.md, round thirty-three), so the steps are split
+into those after a read below 40 GB/s ("busy") and at 45 or above ("quiet"), each with its median
+tok/s per distance. Precisions as benchmarks/compare.py's: f32 and bf16 unquantized; int8 experts
+and dense layers int8; int4 experts int4, dense layers int8. Not a test: for RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem"
+# precision -> (dtype, expert quantization, dense quantization), as benchmarks/compare.py runs them
+PRECISIONS = {"f32": ("float32", "none", "none"), "bf16": ("bfloat16", "none", "none"),
+              "int8": ("float32", "int8", "int8"), "int4": ("float32", "int4", "int8")}
+BUSY_BELOW, QUIET_FROM = 40.0, 45.0  # GB/s of the read before a step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", type=Path, default=CACHE / "compare-mixtral")
+    ap.add_argument("--precision", default="int8", choices=sorted(PRECISIONS))
+    ap.add_argument("--prefetch", default="0,1024", help="bytes ahead to compare, comma-separated")
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    settings = [int(b) for b in args.prefetch.split(",")]
+
+    import torch
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.experts import native
+
+    kernel = native.load_kernel()
+    if kernel is None:
+        raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
+    default = kernel.weight_prefetch()
+    dtype, experts, dense = PRECISIONS[args.precision]
+    engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype=dtype, expert_threads=args.threads,
+                                       expert_quant=experts, dense_quant=dense,
+                                       config=EngineConfig(num_scheduler_steps=8))
+    torch.set_num_threads(args.threads)
+    names = (f"prefetch-{i}" for i in itertools.count())
+    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+
+    def step() -> None:
+        if not engine.has_unfinished_requests():
+            engine.add_request(next(names), list(range(5, 37)), params)
+            engine.step()  # its prefill
+        engine.step()
+
+    buffer = torch.rand(1 << 28)
+    step()
+    rows = []  # (distance, GB/s read before, tok/s)
+    start = time.perf_counter()
+    for turn in itertools.count():
+        if time.perf_counter() - start > args.seconds:
+            break
+        ahead = settings[turn % len(settings)]
+        kernel.set_weight_prefetch(ahead)
+        step()
+        t = time.perf_counter()
+        buffer.sum()
+        read = buffer.numel() * 4 / (time.perf_counter() - t) / 1e9
+        step()
+        if not engine.has_unfinished_requests():
+            continue  # the timed step would be a prefill
+        t = time.perf_counter()
+        engine.step()
+        rows.append((ahead, read, 8 / (time.perf_counter() - t)))
+    out = {"precision": args.precision, "default_prefetch": default,
+           "load_average": round(os.getloadavg()[0], 2)}
+    for window, keep in (("busy", lambda r: r < BUSY_BELOW), ("quiet", lambda r: r >= QUIET_FROM)):
+        for ahead in settings:
+            tok_s = [tok for a, read, tok in rows if a == ahead and keep(read)]
+            out[f"{window}.prefetch_{ahead}"] = {"tok_s": round(statistics.median(tok_s), 1) if tok_s else None,
+                                                 "steps": len(tok_s)}
+    kernel.set_weight_prefetch(default)
+    out["read_gbs_median"] = round(statistics.median(read for _, read, _ in rows), 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
