@@ -38,9 +38,9 @@ def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, threads:
                            method: str = "sum", statistic: str = "best") -> float:
     """Read bandwidth in GB/s: the best (or, statistic "median", the median) of `repeats` reads of
     `size_bytes` of float32. The best is what STREAM reports; the median is the rate the reads keep,
-    which one fast or slow read does not move. Neither escapes where the buffer's pages land: on the
-    development VM about 1 fresh buffer in 6 reads at 51-61 GB/s every time, the others 31-35
-    (benchmarks/RESULTS.md, round thirty-two).
+    which one fast or slow read does not move. Neither escapes the moment they are taken in: on the
+    development VM the memory gives ~30 GB/s for a while, then ~55 for seconds at a time, whatever
+    the buffer (benchmarks/RESULTS.md, round thirty-three), and five reads fit inside one such spell.
 
     method "sum" (the roofline decode is measured against): a torch `sum`, which reads every
     byte once and writes nothing, the access pattern of decode streaming weights.
