@@ -225,8 +225,8 @@ struct V {
 
 using T = V::T;
 constexpr int W = V::W;
-// Prefetch the weight stream at p weight_prefetch() bytes ahead (nothing where that is 0; see
-// moe_cpu.cpp). Rows are stored back to back, so this runs on into the next row and the stream
+// Prefetch the weight stream at p g_weight_prefetch bytes ahead (nothing where that is 0; see
+// moe_cpu.cpp's set_weight_prefetch). Rows are stored back to back, so this runs on into the next row and the stream
 // never stalls at a row (often a 4 KiB page) boundary the hardware prefetcher stops at.
 static inline void prefetch_weights(const void* p) {
   if (const int64_t ahead = g_weight_prefetch) _mm_prefetch(static_cast<const char*>(p) + ahead, _MM_HINT_T0);
