@@ -53,6 +53,14 @@ async def test_spec_change_rolls_out_and_drift_is_repaired(cluster, operator):
 
     await wait_for(rolled_out, what="the new image and replicas in the Deployment")
 
+    # Until the status says generation 2 was reconciled, an edit of a child is part of that
+    # rollout (reconcile.py): repaired, but no DriftRepaired event. The children are written first.
+    async def observed():
+        model = await cluster.get(model_path("qwen"))
+        return ((model or {}).get("status") or {}).get("observedGeneration") == 2
+
+    await wait_for(observed, what="the status's observedGeneration at 2")
+
     # A hand edit of a field the operator sets is put back.
     dep = await cluster.get(DEPLOYMENT("qwen"))
     edited = [dict(c, image="evil:latest") for c in dep["spec"]["template"]["spec"]["containers"]]
