@@ -12,9 +12,9 @@ again beside the decode: `--paired-rounds` single-stream decodes, each between t
 (the median of 5: the rate a read keeps, as a decode must) taken in the same process seconds
 apart, give `roofline_share_paired`, the median of the rounds' shares. A VM's bandwidth moves from
 minute to minute (26.8-52.1 GB/s within one session on the development VM), so a share read against
-a bandwidth taken at another moment is as much that drift as the decode. The reads' buffers are
-fresh each time, and where one's pages land can read far faster than the memory the weights sit
-in (benchmarks/RESULTS.md, round thirty-two): the median over rounds keeps one such draw out.
+a bandwidth taken at another moment is as much that drift as the decode. Within it the memory
+gives ~30 GB/s for a while, then ~55 for seconds at a time, whatever the buffer (benchmarks/RESULTS.md,
+round thirty-three), so a round's reads can fall in such a spell: the median over rounds keeps one out.
 """
 
 from __future__ import annotations

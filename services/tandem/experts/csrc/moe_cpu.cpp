@@ -42,8 +42,9 @@ static int64_t chunks_per_thread() { return g_chunks_per_thread.load(std::memory
 // Bytes ahead of each weight stream the kernels prefetch in software (prefetch_weights; 0: none,
 // the hardware prefetchers alone). 1 KiB took four streams of 1 KiB rows from 23.9 to 26.4 GB/s
 // on round seven's Sapphire Rapids VM. On AMD cores with AVX-512 (Zen 4 and later) the default is
-// none: on the Zen 4 development VM the prefetches held the streams back, int8 decode 12-20%
-// slower with them and bf16 up to 10%, int4 unchanged (benchmarks/RESULTS.md, round thirty-three).
+// none: on the Zen 4 development VM the prefetches held the streams back. Without them int8
+// decode ran 1.12-1.27x as fast, bf16 0.97-1.22x, int4 1.02-1.13x, f32 0.99-1.12x, steps
+// alternating in one process (benchmarks/RESULTS.md, round thirty-three).
 // Read by the kernels as they run: set it between calls (set_weight_prefetch), not during one.
 static int64_t default_weight_prefetch() {
   __builtin_cpu_init();
