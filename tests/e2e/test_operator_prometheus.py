@@ -28,7 +28,7 @@ from tandem_operator.spec import parse_spec
 # The operator tests' KMock and kopf fixtures, and their `tandem serve` helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from hm_cluster import DEPLOYMENT, core_path, hybrid_model, model_path, wait_for  # noqa: E402
-from kopf_fixtures import cluster, operator  # noqa: E402,F401 (fixtures)
+from kopf_fixtures import cluster, kmock_options, operator  # noqa: E402,F401 (fixtures)
 from tandem_serve import drive_load, observed_bucket_range_ms, scrape, tandem_serve  # noqa: E402
 from test_operator_kmock import pod  # noqa: E402
 

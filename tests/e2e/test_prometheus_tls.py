@@ -31,7 +31,7 @@ from tandem_operator.spec import parse_spec
 # The operator tests' KMock and kopf fixtures, and their certificate and pod helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from hm_cluster import NS, core_path, hybrid_model, model_path, wait_for  # noqa: E402
-from kopf_fixtures import cluster, operator  # noqa: E402,F401 (fixtures)
+from kopf_fixtures import cluster, kmock_options, operator  # noqa: E402,F401 (fixtures)
 from test_operator_kmock import condition, pod  # noqa: E402
 from tls_certs import CA  # noqa: E402
 

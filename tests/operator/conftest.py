@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kopf_fixtures import cluster, operator  # noqa: F401 (fixtures, re-exported for pytest)
+from kopf_fixtures import cluster, kmock_options, operator  # noqa: F401 (fixtures, re-exported for pytest)
 from tandem_serve import tandem_serve
 
 

@@ -1,8 +1,7 @@
 """`--module=fast_kopf` for operators run as processes in tests: kopf's timeouts cut short.
 
 The same settings as kopf_fixtures' `operator` fixture: per-object workers idle 5 s before
-exiting and shutdown waits for them; KMock never changes resourceVersion, so kopf would wait for
-the echo of its own patches.
+exiting, and shutdown waits for them.
 """
 
 import kopf
@@ -12,4 +11,3 @@ import kopf
 def fast_kopf(settings: kopf.OperatorSettings, **_) -> None:
     settings.queueing.idle_timeout = 0.2
     settings.queueing.exit_timeout = 0.5
-    settings.persistence.consistency_timeout = 0.5

@@ -127,8 +127,7 @@ def hybrid_model(name: str, uid: str | None = None, **spec: Any) -> dict:
     return {
         "apiVersion": "tandem.dev/v1alpha1",
         "kind": "HybridModel",
-        # KMock assigns no uid, generation or resourceVersion (kopf patches test the latter): set them.
-        "metadata": {"name": name, "namespace": NS, "uid": uid or f"uid-{name}", "generation": 1,
-                     "resourceVersion": "1"},
+        # KMock assigns no uid or generation: set them (VersionedKMock gives the resourceVersion).
+        "metadata": {"name": name, "namespace": NS, "uid": uid or f"uid-{name}", "generation": 1},
         "spec": body_spec,
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import kmock
 import kopf
 import pytest
 import yaml
@@ -16,11 +17,20 @@ from kopf.testing import KopfRunner
 from tandem_operator import handlers
 
 from hm_cluster import NS, Cluster, load_crd
+from versioned_kmock import VersionedKMock
 
 # Fast loops for tests; the periodic resync is kept out of the way so drift repair is shown to
 # come from watch events, not from periodic polling.
 AUTOSCALE_INTERVAL = 0.2
 RESYNC_INTERVAL = 3600.0
+
+
+@pytest.fixture
+def kmock_options(kmock_options):
+    """KMock's own options, with VersionedKMock for its default class (a marker's class is kept)."""
+    if kmock_options.get("cls") is kmock.KubernetesEmulator:
+        kmock_options["cls"] = VersionedKMock
+    return kmock_options
 
 
 @pytest.fixture
@@ -57,8 +67,6 @@ async def operator(cluster):
         # Per-object workers idle 5 s before exiting, and shutdown waits for them: keep it short.
         settings.queueing.idle_timeout = 0.2
         settings.queueing.exit_timeout = 0.5
-        # KMock never changes resourceVersion, so kopf cannot recognise its own patches' echo.
-        settings.persistence.consistency_timeout = 0.5
 
     runner = KopfRunner(["run", "--standalone", "--all-namespaces", "--verbose"], registry=registry, timeout=30)
     await asyncio.to_thread(runner.__enter__)

@@ -1,25 +1,26 @@
 """KMock plus what leader election needs of a real API server, for Leases only.
 
-KMock adds no resourceVersion and takes every patch. A real API server gives each write a new
-resourceVersion and answers 409 Conflict to a write that names an older one (optimistic
-concurrency): without that, two candidates could both take one Lease. Use it with
+KMock takes every patch. A real API server answers 409 Conflict to a write that names an older
+resourceVersion than the object's (optimistic concurrency): without that, two candidates could
+both take one Lease. The versions themselves come from VersionedKMock. Use it with
 `pytestmark = pytest.mark.kmock(cls=LeaseKMock)`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import attrs
 import kmock
+
+from versioned_kmock import VersionedKMock
 
 LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
 LEASE_WRITES = (kmock.action.CREATE, kmock.action.UPDATE)
 
 
 @attrs.define(kw_only=True)
-class LeaseKMock(kmock.KubernetesEmulator):
+class LeaseKMock(VersionedKMock):
     # Set to make every Lease request answer 500, as an API server in trouble would.
     failing: bool = False
     # Set to hold each Lease read until that many have arrived, so racing candidates all read
@@ -27,7 +28,6 @@ class LeaseKMock(kmock.KubernetesEmulator):
     read_barrier: asyncio.Barrier | None = None
     # How many writes were refused with 409 Conflict.
     conflicts: int = 0
-    _versions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
     _writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
 
     async def _handle(self, request: kmock.Request):
@@ -44,7 +44,6 @@ class LeaseKMock(kmock.KubernetesEmulator):
                 self._check_absent(request)
             else:
                 self._check_version(request)
-            request.data.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
             return await super()._handle(request)
 
     def _check_absent(self, request: kmock.Request) -> None:

@@ -111,8 +111,8 @@ async def test_turning_tls_on_and_off_rolls_the_pods_and_updates_the_service(clu
                     not service["spec"]["ports"][0].get("appProtocol"))
         return (deployment, service) if over_tls == (tls,) * 4 else None
 
-    # KMock never changes resourceVersion, so kopf may handle an older body once more: each state is
-    # waited for as a whole, which the operator reaches again from the newest spec.
+    # Each state is waited for as a whole: a child's event can reconcile from the newest spec before
+    # the update handler does, and the two write in turn.
     await cluster.patch(model_path("flip"), {"metadata": {"generation": 2},
                                              "spec": {"tls": {"certSecret": {"name": "flip-tls"}}}})
     await wait_for(lambda: rolled(tls=True), what="the pod template and the Service over TLS")
