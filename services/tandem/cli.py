@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,9 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch's allocator puts tensors of 2 MiB and more on transparent huge pages when this is set
+    # at its first allocation (the weights as they load: tandem.model.huge_pages). Before any torch.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -11,6 +11,7 @@ import logging
 import math
 import re
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from tandem.experts.base import ExpertExecutor, ExpertWeights
+from tandem.experts.cpu_executor import PreparedLayer
+from tandem.model import huge_pages
 from tandem.model.config import ModelConfig, ModelError, load_config, read_json
 from tandem.model.fp8 import dequantize_stream, weight_of
 from tandem.model.layers import RotaryEmbedding
@@ -308,6 +311,7 @@ def load_model(model_dir: str | Path, *, device: torch.device | str = "cpu", dty
                 layer.mlp.executor = executor
     model.eval()
     quantize_dense_(model, dense_quant)
+    on_huge_pages([*model.parameters(), *model.buffers(), *expert_tensors(executor)])
     return model, executor
 
 
@@ -363,10 +367,25 @@ def build_expert_executor(model_dir: str | Path, *, dtype=None, threads: int | N
         cfg = _experts_config(model_dir)
         executor, add_layer = _empty_executor(threads, quant)
         _load_experts(model_dir, cfg, dtype, add_layer)
-        return executor
-    cfg = load_config(model_dir)
-    _check_gguf(cfg, quant, experts_gguf)
-    return _gguf_executor(experts_gguf, threads)
+    else:
+        _check_gguf(load_config(model_dir), quant, experts_gguf)
+        executor = _gguf_executor(experts_gguf, threads)
+    on_huge_pages(expert_tensors(executor))
+    return executor
+
+
+def expert_tensors(executor) -> list[torch.Tensor]:
+    """The stored weights (scales included) of an in-process executor's layers; none for another."""
+    return [t for p in getattr(executor, "layers", {}).values() if isinstance(p, PreparedLayer)
+            for t in p.native_args()]
+
+
+def on_huge_pages(tensors: list[torch.Tensor]) -> None:
+    """Back the weights that decode streams with 2 MiB pages, where the kernel can (tandem.model.huge_pages)."""
+    start = time.perf_counter()
+    done = huge_pages.collapse(tensors)
+    if done:
+        _log.info("%d MiB of weights on 2 MiB pages (%.1f s)", done >> 20, time.perf_counter() - start)
 
 
 def _experts_config(model_dir: Path) -> ModelConfig:
