@@ -93,6 +93,12 @@ def test_loading_hands_every_weight_to_collapse(demo_model_dir, monkeypatch):
     assert {t.untyped_storage().data_ptr() for t in handed} >= {
         t.untyped_storage().data_ptr() for t in loader.expert_tensors(executor) if t.numel()}
 
+    handed.clear()
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # 4 KiB pages asked for: nothing collapsed
+    loader.load_model(demo_model_dir("mixtral"), device="cpu")
+    loader.build_expert_executor(demo_model_dir("mixtral"))
+    assert handed == []
+
 
 def test_the_command_asks_torch_for_huge_pages_unless_told_otherwise(monkeypatch, tmp_path):
     from tandem import cli

@@ -3,7 +3,7 @@
 Decode reads every active weight once a token, ~130 MB a token on the comparison checkpoint, so
 on 4 KiB pages it walks a page table every 4 KiB it reads. Linux backs anonymous memory with
 transparent huge pages only where asked (`/sys/kernel/mm/transparent_hugepage/enabled` is
-"madvise" on most distributions). Two ways in:
+"madvise" on many distributions, as on the development VM). Two ways in:
 
 - torch's allocator asks (madvise MADV_HUGEPAGE, 2 MiB-aligned) for every tensor of 2 MiB or
   more under THP_MEM_ALLOC_ENABLE=1, read once, at its first allocation. The `tandem` command
@@ -11,12 +11,14 @@ transparent huge pages only where asked (`/sys/kernel/mm/transparent_hugepage/en
   pages as they load: no copy, and loading took 2.7-4.1 s instead of 6.2 s for 1.6 GiB here.
 - Where torch allocated first (Tandem used as a library), the loader calls `collapse`: the
   weights' storages asked in place, MADV_HUGEPAGE (keep them on huge pages) and MADV_COLLAPSE
-  (Linux 6.1+: move them now, a copy: ~0.6 GB/s here), over the whole 2 MiB pages inside each.
-  On storages already on huge pages it returns at once.
+  (Linux 6.1+: move them now, a copy: ~0.5 GB/s here), over the whole 2 MiB pages inside each.
+  On storages already on huge pages it returns at once. THP_MEM_ALLOC_ENABLE=0 (set by whoever
+  runs Tandem) keeps 4 KiB pages: the loader then asks for nothing either.
 
-Single-stream decode ran 3-7% faster at int8 and up to 5% at bf16 (benchmarks/RESULTS.md, round
-thirty-four). Best effort: a kernel without MADV_COLLAPSE, memory that is not private anonymous
-(a shared-memory file) or no free huge page leaves that storage as it was.
+Single-stream int8 decode ran 3-8% faster in this VM's slow-memory spells and 0-7% in its fast
+ones; bf16 and f32 moved within noise or a little faster (benchmarks/RESULTS.md, round
+thirty-four). Best effort: a kernel without MADV_COLLAPSE, memory that is not private anonymous (a
+shared-memory file) or no free huge page leaves that storage as it was.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -381,7 +382,10 @@ def expert_tensors(executor) -> list[torch.Tensor]:
 
 
 def on_huge_pages(tensors: list[torch.Tensor]) -> None:
-    """Back the weights that decode streams with 2 MiB pages, where the kernel can (tandem.model.huge_pages)."""
+    """Back the weights that decode streams with 2 MiB pages, where the kernel can (tandem.model.huge_pages);
+    not when THP_MEM_ALLOC_ENABLE is "0", the operator's way to keep 4 KiB pages."""
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") == "0":
+        return
     start = time.perf_counter()
     done = huge_pages.collapse(tensors)
     if done:
