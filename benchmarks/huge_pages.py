@@ -8,7 +8,7 @@ each timed step.
 Pages are a property of a process's memory, so the two sides cannot alternate step by step in
 one process as benchmarks/weight_prefetch.py does: each pair runs one process with the loader's
 huge pages turned off (`huge_pages.collapse` replaced by a no-op) and one as shipped, one after
-the other. Inside each process the loop is weight_prefetch.py's: greedy decode at multi-step 8,
+the other. Inside each process the loop is weight_prefetch.py's (`timed_steps`): greedy decode at multi-step 8,
 each timed step after a 1 GiB `sum` read that sorts it into "busy" (below 40 GB/s) or "quiet"
 (45 GB/s or more), since this VM's memory moves between ~30 and ~55-60 GB/s over seconds. Prints
 one JSON line per process (with its AnonHugePages) and the median of each side's medians. Not a
@@ -18,62 +18,24 @@ test: for RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem"
-# precision -> (dtype, expert quantization, dense quantization), as benchmarks/compare.py runs them
-PRECISIONS = {"f32": ("float32", "none", "none"), "bf16": ("bfloat16", "none", "none"),
-              "int8": ("float32", "int8", "int8"), "int4": ("float32", "int4", "int8")}
-BUSY_BELOW, QUIET_FROM = 40.0, 45.0  # GB/s of the read before a step
+from weight_prefetch import BUSY_BELOW, CACHE, PRECISIONS, QUIET_FROM, load_engine, timed_steps  # this folder
+
 WINDOWS = ("busy", "quiet")
 
 
 def worker(args) -> dict:
-    import torch
-
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.engine.sampling_params import SamplingParams
     from tandem.model import huge_pages
 
     if args.worker == "off":
         huge_pages.collapse = lambda tensors: 0  # the loader's call, skipped
-    dtype, experts, dense = PRECISIONS[args.precision]
-    engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype=dtype, expert_threads=args.threads,
-                                       expert_quant=experts, dense_quant=dense,
-                                       config=EngineConfig(num_scheduler_steps=8))
-    torch.set_num_threads(args.threads)
-    names = (f"pages-{i}" for i in itertools.count())
-    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
-
-    def step() -> None:
-        if not engine.has_unfinished_requests():
-            engine.add_request(next(names), list(range(5, 37)), params)
-            engine.step()  # its prefill
-        engine.step()
-
-    buffer = torch.rand(1 << 28)
-    step()
-    rows = []  # (GB/s read before, tok/s)
-    start = time.perf_counter()
-    while time.perf_counter() - start < args.seconds:
-        step()
-        t = time.perf_counter()
-        buffer.sum()
-        read = buffer.numel() * 4 / (time.perf_counter() - t) / 1e9
-        step()
-        if not engine.has_unfinished_requests():
-            continue  # the timed step would be a prefill
-        t = time.perf_counter()
-        engine.step()
-        rows.append((read, 8 / (time.perf_counter() - t)))
+    engine = load_engine(args.checkpoint, args.precision, args.threads)
+    rows = [(read, tok) for _, read, tok in timed_steps(engine, args.seconds)]  # (GB/s read before, tok/s)
     with open("/proc/self/smaps_rollup") as f:
         anon_huge_kib = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
     out = {"pages": args.worker, "precision": args.precision, "anon_huge_mib": anon_huge_kib >> 10}

@@ -43,50 +43,20 @@ def main() -> None:
     args = ap.parse_args()
     settings = [int(b) for b in args.prefetch.split(",")]
 
-    import torch
-
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.engine.sampling_params import SamplingParams
     from tandem.experts import native
 
     kernel = native.load_kernel()
     if kernel is None:
         raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
     default = kernel.weight_prefetch()
-    dtype, experts, dense = PRECISIONS[args.precision]
-    engine = LLMEngine.from_pretrained(args.checkpoint, device="cpu", dtype=dtype, expert_threads=args.threads,
-                                       expert_quant=experts, dense_quant=dense,
-                                       config=EngineConfig(num_scheduler_steps=8))
-    torch.set_num_threads(args.threads)
-    names = (f"prefetch-{i}" for i in itertools.count())
-    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    engine = load_engine(args.checkpoint, args.precision, args.threads)
 
-    def step() -> None:
-        if not engine.has_unfinished_requests():
-            engine.add_request(next(names), list(range(5, 37)), params)
-            engine.step()  # its prefill
-        engine.step()
-
-    buffer = torch.rand(1 << 28)
-    step()
-    rows = []  # (distance, GB/s read before, tok/s)
-    start = time.perf_counter()
-    for turn in itertools.count():
-        if time.perf_counter() - start > args.seconds:
-            break
-        ahead = settings[turn % len(settings)]
+    def turn(i: int) -> int:
+        ahead = settings[i % len(settings)]
         kernel.set_weight_prefetch(ahead)
-        step()
-        t = time.perf_counter()
-        buffer.sum()
-        read = buffer.numel() * 4 / (time.perf_counter() - t) / 1e9
-        step()
-        if not engine.has_unfinished_requests():
-            continue  # the timed step would be a prefill
-        t = time.perf_counter()
-        engine.step()
-        rows.append((ahead, read, 8 / (time.perf_counter() - t)))
+        return ahead
+
+    rows = timed_steps(engine, args.seconds, turn)
     out = {"precision": args.precision, "default_prefetch": default,
            "load_average": round(os.getloadavg()[0], 2)}
     for window, keep in (("busy", lambda r: r < BUSY_BELOW), ("quiet", lambda r: r >= QUIET_FROM)):
@@ -97,6 +67,58 @@ def main() -> None:
     kernel.set_weight_prefetch(default)
     out["read_gbs_median"] = round(statistics.median(read for _, read, _ in rows), 1)
     print(json.dumps(out))
+
+
+def load_engine(checkpoint: Path, precision: str, threads: int):
+    """The comparison checkpoint at `precision`, greedy decode at multi-step 8, on `threads` threads."""
+    import torch
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    dtype, experts, dense = PRECISIONS[precision]
+    engine = LLMEngine.from_pretrained(checkpoint, device="cpu", dtype=dtype, expert_threads=threads,
+                                       expert_quant=experts, dense_quant=dense,
+                                       config=EngineConfig(num_scheduler_steps=8))
+    torch.set_num_threads(threads)
+    return engine
+
+
+def timed_steps(engine, seconds: float, turn=lambda turn: None) -> list[tuple[object, float, float]]:
+    """Single-stream decode for `seconds`: each turn calls turn(i) (which sets what is compared and
+    returns its label, or None), runs one untimed step, reads 1 GiB with `sum`, runs one more and
+    times the next. Returns (label, GB/s of that read, tok/s of the timed step) per timed step."""
+    import torch
+
+    from tandem.engine.sampling_params import SamplingParams
+
+    names = (f"timed-{i}" for i in itertools.count())
+    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+
+    def step() -> None:
+        if not engine.has_unfinished_requests():
+            engine.add_request(next(names), list(range(5, 37)), params)
+            engine.step()  # its prefill
+        engine.step()
+
+    buffer = torch.rand(1 << 28)
+    step()
+    rows = []
+    start = time.perf_counter()
+    for i in itertools.count():
+        if time.perf_counter() - start > seconds:
+            return rows
+        label = turn(i)
+        step()
+        t = time.perf_counter()
+        buffer.sum()
+        read = buffer.numel() * 4 / (time.perf_counter() - t) / 1e9
+        step()
+        if not engine.has_unfinished_requests():
+            continue  # the timed step would be a prefill
+        t = time.perf_counter()
+        engine.step()
+        rows.append((label, read, 8 / (time.perf_counter() - t)))
 
 
 if __name__ == "__main__":
