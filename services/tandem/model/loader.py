@@ -377,7 +377,8 @@ def build_expert_executor(model_dir: str | Path, *, dtype=None, threads: int | N
 
 def expert_tensors(executor) -> list[torch.Tensor]:
     """The stored weights (scales included) of an in-process executor's layers; none for another."""
-    return [t for p in getattr(executor, "layers", {}).values() if isinstance(p, PreparedLayer)
+    layers = getattr(executor, "layers", None)
+    return [t for p in (layers.values() if isinstance(layers, dict) else ()) if isinstance(p, PreparedLayer)
             for t in p.native_args()]
 
 
