@@ -24,9 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from weight_prefetch import BUSY_BELOW, CACHE, PRECISIONS, QUIET_FROM, load_engine, timed_steps  # this folder
-
-WINDOWS = ("busy", "quiet")
+from weight_prefetch import CACHE, PRECISIONS, WINDOWS, load_engine, timed_steps  # this folder
 
 
 def worker(args) -> dict:
@@ -39,7 +37,7 @@ def worker(args) -> dict:
     with open("/proc/self/smaps_rollup") as f:
         anon_huge_kib = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
     out = {"pages": args.worker, "precision": args.precision, "anon_huge_mib": anon_huge_kib >> 10}
-    for window, keep in zip(WINDOWS, (lambda r: r < BUSY_BELOW, lambda r: r >= QUIET_FROM)):
+    for window, keep in WINDOWS.items():
         tok_s = [tok for read, tok in rows if keep(read)]
         out[window] = {"tok_s": round(statistics.median(tok_s), 1) if tok_s else None, "steps": len(tok_s)}
     return out

@@ -31,6 +31,8 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem
 PRECISIONS = {"f32": ("float32", "none", "none"), "bf16": ("bfloat16", "none", "none"),
               "int8": ("float32", "int8", "int8"), "int4": ("float32", "int4", "int8")}
 BUSY_BELOW, QUIET_FROM = 40.0, 45.0  # GB/s of the read before a step
+# window -> whether a step whose read before ran at that many GB/s falls in it
+WINDOWS = {"busy": lambda read: read < BUSY_BELOW, "quiet": lambda read: read >= QUIET_FROM}
 
 
 def main() -> None:
@@ -59,7 +61,7 @@ def main() -> None:
     rows = timed_steps(engine, args.seconds, turn)
     out = {"precision": args.precision, "default_prefetch": default,
            "load_average": round(os.getloadavg()[0], 2)}
-    for window, keep in (("busy", lambda r: r < BUSY_BELOW), ("quiet", lambda r: r >= QUIET_FROM)):
+    for window, keep in WINDOWS.items():
         for ahead in settings:
             tok_s = [tok for a, read, tok in rows if a == ahead and keep(read)]
             out[f"{window}.prefetch_{ahead}"] = {"tok_s": round(statistics.median(tok_s), 1) if tok_s else None,

@@ -46,9 +46,8 @@ def test_ranges_are_the_whole_huge_pages_inside_each_storage_once():
 def test_collapse_moves_a_weight_to_huge_pages_and_keeps_its_values():
     weight = torch.randn(4 * MiB)  # 16 MiB of float32, private anonymous memory
     before = weight.clone()
-    libc = ctypes.CDLL(None, use_errno=True)
     probe = huge_ranges([weight])[0]
-    if libc.madvise(ctypes.c_void_p(probe[0]), ctypes.c_size_t(HUGE_PAGE), huge_pages.MADV_COLLAPSE) != 0:
+    if huge_pages._madvise()(probe[0], HUGE_PAGE, huge_pages.MADV_COLLAPSE) != 0:
         pytest.skip(f"this kernel does not collapse to huge pages here (errno {ctypes.get_errno()})")
     done = huge_pages.collapse([weight, weight[:10]])
     assert done == probe[1] and done >= 14 * MiB
