@@ -479,21 +479,38 @@ static void dot_int8(const int8_t* w, int64_t K, const Act* a, float* res) {
 #endif
 }
 
-// The group scales of superblock sb's kSuper blocks as floats (lanes past kSuper unused), one
-// vector conversion: scalar conversions stored to an array and reloaded stall on store forwarding.
-static inline __m128 superblock_scales(const uint16_t* scale, int64_t sb, int shift) {
-  const uint16_t* s = scale + ((sb * kSuper) >> shift);
-  int64_t bits = 0;
-  if (shift == 0) {
-    std::memcpy(&bits, s, kSuper * sizeof(uint16_t));  // one scale per block
-  } else if (shift == 1) {
-    const int64_t a = s[0], b = kSuper == 4 ? s[1] : s[0];  // each scale covers two blocks
-    bits = a | (a << 16) | (b << 32) | (b << 48);
-  } else {
-    const int64_t a = s[0];  // one scale covers the superblock
-    bits = a | (a << 16) | (a << 32) | (a << 48);
+// The group scales of superblock sb's kSuper blocks as floats (lanes past kSuper unused), for
+// groups of 32 << S weights: one vector load and conversion, no branch. S is a template argument
+// (the kernels are instantiated per group size): tested per superblock and row, it cost the
+// cache-resident int4 loop ~9% (benchmarks/RESULTS.md, round thirty-five). Scalar conversions
+// stored to an array and reloaded stall on store forwarding.
+template <int S>
+static inline __m128 superblock_scales(const uint16_t* scale, int64_t sb) {
+  const uint16_t* s = scale + ((sb * kSuper) >> S);
+  __m128i h;
+  if constexpr (S == 0) {  // one scale per block
+    int64_t bits = 0;
+    std::memcpy(&bits, s, kSuper * sizeof(uint16_t));
+    h = _mm_cvtsi64_si128(bits);
+  } else if constexpr (S == 1 && kSuper == 4) {  // each scale covers two blocks: a a b b
+    int32_t bits;
+    std::memcpy(&bits, s, sizeof bits);
+    const __m128i v = _mm_cvtsi32_si128(bits);
+    h = _mm_unpacklo_epi16(v, v);
+  } else {  // one scale covers the superblock
+    h = _mm_set1_epi16(static_cast<int16_t>(s[0]));
   }
-  return _mm_cvtph_ps(_mm_cvtsi64_si128(bits));
+  return _mm_cvtph_ps(h);
+}
+
+// Calls f(std::integral_constant<int, S>) for groups of 32 << S weights (S = 0, 1 or 2).
+template <class F>
+static inline void with_group_shift(int64_t group, const F& f) {
+  switch (group / 32) {
+    case 1: f(std::integral_constant<int, 0>{}); break;
+    case 2: f(std::integral_constant<int, 1>{}); break;
+    default: f(std::integral_constant<int, 2>{}); break;
+  }
 }
 
 // r plus, for the blocks b in [b0, blocks) (those past the last superblock, in natural order),
@@ -506,18 +523,17 @@ static inline float int4_tail(float r, const uint8_t* w, const uint16_t* scale, 
 }
 
 // int4 row x Q8 activations: sum_b s_g(b) d_b sum_j q_bj xq_bj + sum_g min_g xs_g.
-template <int NT>
+// group = 32 << S: a shift, not a division, per block (an integer divide costs more than the
+// block's whole dot product).
+template <int S, int NT>
 static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn, int64_t K, int64_t group,
                      const Act* a, float* res) {
   const int64_t blocks = K / 32, supers = blocks / kSuper, per_group = group / 32;
-  // group = 32 << shift: a shift, not a division, per block (an integer divide costs more
-  // than the block's whole dot product)
-  const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;
   T acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = V::zero();
   for (int64_t sb = 0; sb < supers; ++sb) {
     prefetch_weights(w + sb * kSuper * 16);
-    const __m128 sv = superblock_scales(scale, sb, shift);
+    const __m128 sv = superblock_scales<S>(scale, sb);
     for (int t = 0; t < NT; ++t) {
       const __m128 sd = _mm_mul_ps(sv, _mm_loadu_ps(a[t].d + sb * kSuper));  // reads 4 floats; see Act
       const T dot = V::cvt(V::dot_i4_q8(w + sb * kSuper * 16, a[t].q + sb * kSuper * 32));
@@ -652,7 +668,9 @@ static void row_tile(const Mat& m, int64_t e, int64_t row, const Act* a, float* 
         break;
       }
 #endif
-      dot_int4<NT>(w, m.scale16 + r * groups, mn, m.K, m.group, a, res);
+      with_group_shift(m.group, [&](auto s) {
+        dot_int4<decltype(s)::value, NT>(w, m.scale16 + r * groups, mn, m.K, m.group, a, res);
+      });
       break;
     }
   }
@@ -804,11 +822,10 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
 // res[r * NT + t] = int4 row w[r] (group scales scale[r], minimums mn[r]) times Q8 activations
 // a[t] (see dot_int4), for 4 rows: the activations' loads and block scales are shared by four
 // weight streams.
-template <int NT>
+template <int S, int NT>
 static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, const uint16_t* const* mn, int64_t K,
                        int64_t group, const Act* a, float* res) {
   const int64_t blocks = K / 32, supers = blocks / kSuper, per_group = group / 32;
-  const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;  // see dot_int4
   T acc[4][NT];
   for (int r = 0; r < 4; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = V::zero();
@@ -818,7 +835,7 @@ static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, co
     // Row by row, each row's nibbles unpacked once for all NT tokens (not once per token).
     for (int r = 0; r < 4; ++r) {
       prefetch_weights(w[r] + sb * kSuper * 16);
-      const __m128 sv = superblock_scales(scale[r], sb, shift);
+      const __m128 sv = superblock_scales<S>(scale[r], sb);
       const V::I4 u = V::unpack_i4(w[r] + sb * kSuper * 16);
       for (int t = 0; t < NT; ++t) {
         const T dot = V::cvt(V::dot_i4(u, a[t].q + sb * kSuper * 32));
@@ -903,20 +920,26 @@ static void row_tile4(const RowRef* refs, const Act* a, float* res) {
       }
 #endif
       for (int r = 0; r < 4; ++r) sc[r] = refs[r].m->scale16 + refs[r].index() * groups;
-      dot_int4_4<NT>(w, sc, mn, m.K, m.group, a, res);
+      with_group_shift(m.group, [&](auto s) { dot_int4_4<decltype(s)::value, NT>(w, sc, mn, m.K, m.group, a, res); });
       break;
     }
   }
+}
+
+// res[r][t + j] = tile[r * nt + j] for 4 rows and nt tokens, in scalar stores: vectorized, GCC
+// makes the four rows' stores two vscatterqps, which cost a decode quad more than its stores
+// (perf annotate: ~8% of an int4 row_dot4's samples around them).
+__attribute__((noinline, optimize("no-tree-vectorize"))) static void put_tile(float* const* res, int64_t t,
+                                                                                const float* tile, int nt) {
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < nt; ++j) res[r][t + j] = tile[r * nt + j];
 }
 
 // res[r][t] = row refs[r] times x[t], for 4 rows (same kind and K) and n tokens.
 static void row_dot4(const RowRef* refs, const Act* a, int64_t n, float* const* res) {
   float tile[4 * kTile4];
   int64_t t = 0;
-  auto put = [&](int nt) {
-    for (int r = 0; r < 4; ++r)
-      for (int j = 0; j < nt; ++j) res[r][t + j] = tile[r * nt + j];
-  };
+  auto put = [&](int nt) { put_tile(res, t, tile, nt); };
   for (; t + kTile4 <= n; t += kTile4) {
     row_tile4<kTile4>(refs, a + t, tile);
     put(kTile4);
