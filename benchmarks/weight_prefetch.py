@@ -8,12 +8,14 @@ memory read just before each timed step.
 Single-stream greedy decode at multi-step 8 (one engine step decodes 8 tokens). Each turn sets the
 next `--prefetch` distance, runs one untimed step, reads a 1 GiB float32 buffer with torch `sum`
 (flushing the caches, as a serving step's other work would, and measuring the memory at that
-moment), runs one more untimed step and then the timed one. Requests of 96 tokens are added as
-they finish. On the development VM the rate `sum` reads moves between ~30 and ~55-60 GB/s over
-seconds, whatever the buffer (benchmarks/RESULTS.md, round thirty-three), so the steps are split
-into those after a read below 40 GB/s ("busy") and at 45 or above ("quiet"), each with its median
-tok/s per distance. Precisions as benchmarks/compare.py's: f32 and bf16 unquantized; int8 experts
-and dense layers int8; int4 experts int4, dense layers int8. Not a test: for RESULTS.md.
+moment), runs one more untimed step and then the timed one. Requests of 169 tokens (a prefill
+and 21 steps: 7 turns) are added as they finish; 7 turns a request, odd and not a multiple of 3, so
+two or three settings taking turns see each place in a request equally often. On the development
+VM the rate `sum` reads moves between ~30 and ~55-60 GB/s over seconds, whatever the buffer
+(benchmarks/RESULTS.md, round thirty-three), so the steps are split into those after a read below
+40 GB/s ("busy") and at 45 or above ("quiet"), each with its median tok/s per distance.
+Precisions as benchmarks/compare.py's: f32 and bf16 unquantized; int8 experts and dense layers
+int8; int4 experts int4, dense layers int8. Not a test: for RESULTS.md.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ PRECISIONS = {"f32": ("float32", "none", "none"), "bf16": ("bfloat16", "none", "
 BUSY_BELOW, QUIET_FROM = 40.0, 45.0  # GB/s of the read before a step
 # window -> whether a step whose read before ran at that many GB/s falls in it
 WINDOWS = {"busy": lambda read: read < BUSY_BELOW, "quiet": lambda read: read >= QUIET_FROM}
+STEPS_PER_TURN, TURNS_PER_REQUEST = 3, 7  # see timed_steps
 
 
 def main() -> None:
@@ -89,13 +92,20 @@ def load_engine(checkpoint: Path, precision: str, threads: int):
 def timed_steps(engine, seconds: float, turn=lambda turn: None) -> list[tuple[object, float, float]]:
     """Single-stream decode for `seconds`: each turn calls turn(i) (which sets what is compared and
     returns its label, or None), runs one untimed step, reads 1 GiB with `sum`, runs one more and
-    times the next. Returns (label, GB/s of that read, tok/s of the timed step) per timed step."""
+    times the next. Returns (label, GB/s of that read, tok/s of the timed step) per timed step,
+    tok/s counting the tokens the step returned.
+
+    A request lasts TURNS_PER_REQUEST turns. With 96 tokens (4 turns, before round thirty-five) the
+    turns of two alternating settings fell on fixed places in each request, and the second one's
+    timed steps included every request's last, which returned 7 tokens and was counted as 8: with
+    one setting under both labels, the second read 5% faster in both windows."""
     import torch
 
     from tandem.engine.sampling_params import SamplingParams
 
     names = (f"timed-{i}" for i in itertools.count())
-    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    # a prefill's token, then STEPS_PER_TURN steps of 8 tokens a turn
+    params = SamplingParams(max_tokens=1 + TURNS_PER_REQUEST * STEPS_PER_TURN * 8, temperature=0.0, ignore_eos=True)
 
     def step() -> None:
         if not engine.has_unfinished_requests():
@@ -119,8 +129,8 @@ def timed_steps(engine, seconds: float, turn=lambda turn: None) -> list[tuple[ob
         if not engine.has_unfinished_requests():
             continue  # the timed step would be a prefill
         t = time.perf_counter()
-        engine.step()
-        rows.append((label, read, 8 / (time.perf_counter() - t)))
+        tokens = sum(len(o.new_token_ids) for o in engine.step())
+        rows.append((label, read, tokens / (time.perf_counter() - t)))
 
 
 if __name__ == "__main__":
