@@ -35,6 +35,7 @@ PRECISIONS = {"f32": ("float32", "none", "none"), "bf16": ("bfloat16", "none", "
 BUSY_BELOW, QUIET_FROM = 40.0, 45.0  # GB/s of the read before a step
 # window -> whether a step whose read before ran at that many GB/s falls in it
 WINDOWS = {"busy": lambda read: read < BUSY_BELOW, "quiet": lambda read: read >= QUIET_FROM}
+MULTI_STEP = 8  # tokens one engine step decodes (EngineConfig.num_scheduler_steps)
 STEPS_PER_TURN, TURNS_PER_REQUEST = 3, 7  # see timed_steps
 
 
@@ -75,7 +76,7 @@ def main() -> None:
 
 
 def load_engine(checkpoint: Path, precision: str, threads: int):
-    """The comparison checkpoint at `precision`, greedy decode at multi-step 8, on `threads` threads."""
+    """The comparison checkpoint at `precision`, greedy decode at multi-step MULTI_STEP, on `threads` threads."""
     import torch
 
     from tandem.engine.config import EngineConfig
@@ -84,7 +85,7 @@ def load_engine(checkpoint: Path, precision: str, threads: int):
     dtype, experts, dense = PRECISIONS[precision]
     engine = LLMEngine.from_pretrained(checkpoint, device="cpu", dtype=dtype, expert_threads=threads,
                                        expert_quant=experts, dense_quant=dense,
-                                       config=EngineConfig(num_scheduler_steps=8))
+                                       config=EngineConfig(num_scheduler_steps=MULTI_STEP))
     torch.set_num_threads(threads)
     return engine
 
@@ -104,8 +105,9 @@ def timed_steps(engine, seconds: float, turn=lambda turn: None) -> list[tuple[ob
     from tandem.engine.sampling_params import SamplingParams
 
     names = (f"timed-{i}" for i in itertools.count())
-    # a prefill's token, then STEPS_PER_TURN steps of 8 tokens a turn
-    params = SamplingParams(max_tokens=1 + TURNS_PER_REQUEST * STEPS_PER_TURN * 8, temperature=0.0, ignore_eos=True)
+    # a prefill's token, then STEPS_PER_TURN steps of MULTI_STEP tokens a turn
+    request_tokens = 1 + TURNS_PER_REQUEST * STEPS_PER_TURN * MULTI_STEP
+    params = SamplingParams(max_tokens=request_tokens, temperature=0.0, ignore_eos=True)
 
     def step() -> None:
         if not engine.has_unfinished_requests():
