@@ -120,6 +120,32 @@ def test_native_linear_cut_into_chunks_computes_every_row(kernel_module, tokens)
         torch.set_num_threads(before_threads)
 
 
+# int8 rows come out of the kernels unscaled, and each chunk scales its own rows afterwards: with
+# any cut into chunks, every row is its unscaled product (the same rows under unit scales) times its
+# scale, once: a row left unscaled, or scaled twice, at a chunk's bound would differ.
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_native_int8_linear_cut_into_chunks_scales_every_row_once(kernel_module, tokens):
+    kernel = Int8Linear(gaussian_linear(2113, 96, seed=6)).kernel
+    x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(7))
+    before_chunks, before_threads = kernel_module.chunks_per_thread(), torch.get_num_threads()
+
+    def product(scale):
+        out = torch.full((tokens, 2113), float("nan"))
+        kernel_module.linear_forward(x, native.KIND_INT8, kernel.q, scale, out)
+        return out
+
+    try:
+        torch.set_num_threads(2)
+        unscaled = product(torch.ones_like(kernel.scale))
+        for chunks in (1, 3, 8, 64):
+            kernel_module.set_chunks_per_thread(chunks)
+            torch.testing.assert_close(product(kernel.scale), unscaled * kernel.scale, rtol=0, atol=0,
+                                       msg=f"{chunks} chunks")
+    finally:
+        kernel_module.set_chunks_per_thread(before_chunks)
+        torch.set_num_threads(before_threads)
+
+
 def test_native_linear_refuses_bad_shapes(kernel_module):
     with pytest.raises(RuntimeError, match="out must be"):
         kernel_module.linear_forward(torch.randn(2, 8), 0, torch.randn(4, 8), torch.empty(0), torch.empty(2, 5))

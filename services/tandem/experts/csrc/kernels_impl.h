@@ -653,9 +653,7 @@ static void row_tile(const Mat& m, int64_t e, int64_t row, const Act* a, float* 
         dot_int8<NT>(static_cast<const int8_t*>(m.data) + r * m.K, m.K, a, res);
       else
         dot_dense<LoadI8, NT>(static_cast<const int8_t*>(m.data) + r * m.K, m.K, x, res);
-      const float s = m.scale[r];
-      for (int t = 0; t < NT; ++t) res[t] *= s;
-      break;
+      break;  // unscaled: see Mat::scale
     }
     case kInt4: {
       const int64_t groups = m.K / m.group;
@@ -724,11 +722,7 @@ static void row_tile2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const
       } else {
         dot_dense2<LoadI8, NT>(w + r0 * m.K, w + r1 * m.K, m.K, x, res0, res1);
       }
-      for (int t = 0; t < NT; ++t) {
-        res0[t] *= m.scale[r0];
-        res1[t] *= m.scale[r1];
-      }
-      break;
+      break;  // unscaled: see Mat::scale
     }
     default:  // int4: one row at a time (dot_int4_4 is the one that shares the activations)
       row_tile<NT>(m, e, row0, a, res0);
@@ -898,11 +892,7 @@ static void row_tile4(const RowRef* refs, const Act* a, float* res) {
         dot_int8_4<NT>(w, m.K, a, res);
       else
         dot_dense4<LoadI8, NT>(w, m.K, x, res);
-      for (int r = 0; r < 4; ++r) {
-        const float s = refs[r].m->scale[refs[r].index()];
-        for (int t = 0; t < NT; ++t) res[r * NT + t] *= s;
-      }
-      break;
+      break;  // unscaled: see Mat::scale
     }
     case kInt4: {
       const int64_t groups = m.K / m.group;

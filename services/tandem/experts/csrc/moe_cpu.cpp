@@ -92,7 +92,11 @@ static inline int64_t num_chunks(int64_t size, int64_t tokens) {
 // One projection's stacked weights [E, rows, K] in one storage format.
 struct Mat {
   const void* data;
-  const float* scale;      // int8: [E, rows]
+  // int8: [E, rows], applied by the kernels' callers, not the kernels, which return a row's unscaled
+  // sums: a caller scales its results in row order when it uses them. Read beside the weights, a
+  // thread's four rows' scales are four more streams, which cost a dense layer's GEMV 13-20% in
+  // this VM's fast memory spells (benchmarks/RESULTS.md, round thirty-six).
+  const float* scale;
   const uint16_t* scale16;  // int4: [E, rows, K / group] fp16
   const uint16_t* min16;    // int4: [E, rows, K / group] fp16
   const int16_t* iscale;    // int4 with integer scales instead: [E, rows, K / group + 2] (see quant.py)
@@ -181,7 +185,7 @@ static float weight(const Mat& m, int64_t r, int64_t k) {
   switch (m.kind) {
     case kF32: return static_cast<const float*>(m.data)[r * m.K + k];
     case kBF16: return bf16_to_float(static_cast<const uint16_t*>(m.data)[r * m.K + k]);
-    case kInt8: return static_cast<const int8_t*>(m.data)[r * m.K + k] * m.scale[r];
+    case kInt8: return static_cast<const int8_t*>(m.data)[r * m.K + k];  // unscaled: see Mat::scale
     default: {
       const uint8_t byte = static_cast<const uint8_t*>(m.data)[r * (m.K / 2) + (k / 32) * 16 + (k % 16)];
       const int q = (k % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
@@ -410,6 +414,10 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   const Mat gum = make_mat(kind, gu, gu_scale, gu_min, H, group);
   const Mat dnm = make_mat(kind, dn, dn_scale, dn_min, I, group);
   TORCH_CHECK(dn.size(0) == E && dnm.rows == H, "down must be [E, H, I]");
+  // int8 rows are scaled as their results are used, in row order (see Mat::scale): SiLU's inputs,
+  // and the down rows' sums into out.
+  const float* const gu_row_scale = gum.scale;  // [E, 2I]
+  const float* const dn_row_scale = dnm.scale;  // [E, H]
   const int64_t need = n * I;
   TORCH_CHECK(scratch.scalar_type() == at::kFloat && scratch.is_contiguous() && scratch.numel() >= need,
               "scratch too small");
@@ -479,11 +487,17 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
       const int64_t j0 = s0 - ai * I, len = s1 - s0, half = (len + 1) / 2;
       // activations j .. j + m of every token from kept rows 0 .. m of part[p] (gate), part[p + 1] (up)
       auto finish = [&](int p, int64_t j, int64_t m) {
+        const float* gs = gu_row_scale ? gu_row_scale + e * 2 * I + j : nullptr;
         for (int64_t s = 0; s < c; ++s) {
           for (int64_t i = 0; i < m; ++i) {
             g[i] = part[p][i * most + s];
             u[i] = part[p + 1][i * most + s];
           }
+          if (gs)
+            for (int64_t i = 0; i < m; ++i) {
+              g[i] *= gs[i];
+              u[i] *= gs[I + i];
+            }
           silu_mul(g.data(), u.data(), act + (b + s) * I + j, m);
         }
       };
@@ -517,30 +531,27 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   const int64_t down_chunks = num_chunks(H, most);
   parallel_chunks(down_chunks, [&](int64_t chunk) {
     const auto [h0, h1] = chunk_bounds(chunk, down_chunks, H, 16);
-    std::vector<float> buf(4 * most);
+    std::vector<float> buf((h1 - h0) * most);  // one expert's results: row h's at (h - h0) * most
+    auto at = [&](int64_t h) { return buf.data() + (h - h0) * most; };
     const int64_t q = (h1 - h0) / 4;
     for (int64_t e : active) {
       const int64_t b = begin[e], c = begin[e + 1] - b;
       const Act* rows = act_rows.rows.data() + b;
-      auto add = [&](int64_t h, const float* d) {
-        for (int64_t s = 0; s < c; ++s) o[slot_token[b + s] * H + h] += slot_weight[b + s] * d[s];
-      };
       for (int64_t i = 0; i < q; ++i) {
         const RowRef refs[4] = {{&dnm, e, h0 + i}, {&dnm, e, h0 + q + i}, {&dnm, e, h0 + 2 * q + i},
                                 {&dnm, e, h0 + 3 * q + i}};
-        float* const res[4] = {buf.data(), buf.data() + most, buf.data() + 2 * most, buf.data() + 3 * most};
+        float* const res[4] = {at(refs[0].row), at(refs[1].row), at(refs[2].row), at(refs[3].row)};
         row_dot4(refs, rows, c, res);
-        for (int r = 0; r < 4; ++r) add(refs[r].row, res[r]);
       }
       int64_t h = h0 + 4 * q;  // the rows past the last whole quarter
-      for (; h + 1 < h1; h += 2) {
-        row_dot2(dnm, e, h, h + 1, rows, c, buf.data(), buf.data() + most);
-        add(h, buf.data());
-        add(h + 1, buf.data() + most);
-      }
-      if (h < h1) {
-        row_dot(dnm, e, h, rows, c, buf.data());
-        add(h, buf.data());
+      for (; h + 1 < h1; h += 2) row_dot2(dnm, e, h, h + 1, rows, c, at(h), at(h + 1));
+      if (h < h1) row_dot(dnm, e, h, rows, c, at(h));
+      // into out, row by row: out[token, h] += weight * (int8: scale[h] *) result
+      const float* sc = dn_row_scale ? dn_row_scale + e * H : nullptr;
+      for (h = h0; h < h1; ++h) {
+        const float* d = at(h);
+        const float f = sc ? sc[h] : 1.f;
+        for (int64_t s = 0; s < c; ++s) o[slot_token[b + s] * H + h] += slot_weight[b + s] * (d[s] * f);
       }
     }
   });
@@ -616,6 +627,14 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
       row_dot(mats[sg], 0, row, rows.rows.data(), T, res[0]);
       store(sg, row, res[0]);
     }
+    if (kind == kInt8)  // the chunk's outputs times their rows' scales (see Mat::scale), matrix by matrix
+      for (int64_t sg = segment(g0), g = g0; g < g1; ++sg) {
+        const int64_t N = mats[sg].rows, r0 = g - first_row[sg];
+        const int64_t r1 = std::min(g1, first_row[sg + 1]) - first_row[sg];
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t r = r0; r < r1; ++r) o[sg][t * N + r] *= mats[sg].scale[r];
+        g = first_row[sg] + r1;
+      }
   });
 }
 
