@@ -2,13 +2,14 @@
 against one range a thread, in the same process, alternating: prefill and decode on the comparison
 checkpoint.
 
-    python benchmarks/work_chunks.py [--checkpoint DIR] [--chunks 1,8] [--expert-quant int8] [--dense-quant int8]
+    python benchmarks/work_chunks.py [--checkpoint DIR] [--chunks 1,8:0] [--expert-quant int8] [--dense-quant int8]
                                      [--streams 8] [--prompt-len 32] [--rounds 7] [--threads 2]
                                      [--device cpu|cuda] [--dtype float32]
 
-Each round runs every `--chunks` setting (tandem_moe_cpu.set_chunks_per_thread) once, in turn:
-`--streams` prompts of `--prompt-len` tokens prefilled as one batch, then a 30-step decode window of
-`--streams` sequences. Prints each setting's median prefill and decode step time and the median of
+Each round runs every `--chunks` setting once, in turn: chunks a thread (set_chunks_per_thread), and
+after a colon the fewest bytes of weights a chunk reads (set_chunk_bytes; left out: the default).
+A round prefills `--streams` prompts of `--prompt-len` tokens as one batch, then times a 30-step
+decode window of `--streams` sequences. Prints each setting's median prefill and decode step time and the median of
 the rounds' ratios to the first setting (below 1: faster). A noisy VM's drift falls on both
 settings of a round alike, which single runs of two builds cannot give. With `--device cuda` the
 attention runs on the GPU and the routed experts on this machine's cores (the hybrid path). Not a
@@ -31,7 +32,8 @@ DECODE_STEPS = 30
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, default=CACHE / "compare-mixtral")
-    ap.add_argument("--chunks", default="1,8", help="chunks per thread to compare, the first the baseline")
+    ap.add_argument("--chunks", default="1,8:0",
+                    help="settings to compare, the first the baseline: chunks per thread[:fewest bytes a chunk]")
     ap.add_argument("--expert-quant", default="int8")
     ap.add_argument("--dense-quant", default="int8")
     ap.add_argument("--streams", type=int, default=8)
@@ -41,7 +43,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
-    settings = [int(c) for c in args.chunks.split(",")]
+    settings = args.chunks.split(",")
 
     import torch
 
@@ -52,6 +54,12 @@ def main() -> None:
     kernel = native.load_kernel()
     if kernel is None:
         raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
+    default_bytes = kernel.chunk_bytes()
+
+    def use(setting: str) -> None:
+        chunks, _, floor = setting.partition(":")
+        kernel.set_chunks_per_thread(int(chunks))
+        kernel.set_chunk_bytes(int(floor) if floor else default_bytes)
     engine = LLMEngine.from_pretrained(args.checkpoint, device=args.device, dtype=args.dtype,
                                        expert_threads=args.threads, expert_quant=args.expert_quant,
                                        dense_quant=args.dense_quant,
@@ -81,12 +89,12 @@ def main() -> None:
         return (time.perf_counter() - start) / DECODE_STEPS
 
     for c in settings:  # warm-up: every setting once
-        kernel.set_chunks_per_thread(c)
+        use(c)
         prefill()
     times = {c: {"prefill": [], "decode": []} for c in settings}
     for _ in range(args.rounds):
         for c in settings:
-            kernel.set_chunks_per_thread(c)
+            use(c)
             times[c]["prefill"].append(prefill())
             add(args.streams, 2 * DECODE_STEPS + 1)
             times[c]["decode"].append(decode())
@@ -94,14 +102,15 @@ def main() -> None:
                 engine.step()
     base = settings[0]
     print(f"{args.expert_quant} experts, {args.dense_quant} dense, {args.threads} threads, {args.streams} streams, "
-          f"{args.rounds} rounds, {args.device}; load average {os.getloadavg()[0]:.1f}")
+          f"{args.rounds} rounds, {args.device}; load average {os.getloadavg()[0]:.1f}; "
+          f"default chunk bytes {default_bytes}")
     for c in settings:
         row = []
         for phase, unit in (("prefill", "ms"), ("decode", "ms a step")):
             ms = statistics.median(times[c][phase]) * 1e3
             ratio = statistics.median(a / b for a, b in zip(times[c][phase], times[base][phase]))
             row.append(f"{phase} {ms:7.1f} {unit} ({ratio:.3f}x)")
-        print(f"  {c:2d} chunks a thread: " + ", ".join(row), flush=True)
+        print(f"  {c:>12} (chunks a thread[:bytes]): " + ", ".join(row), flush=True)
 
 
 if __name__ == "__main__":

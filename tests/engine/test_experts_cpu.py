@@ -92,7 +92,8 @@ def test_skewed_routing_splits_the_work_without_losing_a_row(layers, kernel_modu
 
 
 # The threads take each parallel region's work in chunks as they come free (moe_cpu.cpp's
-# parallel_chunks): from one range a thread to 64 chunks a thread, the cut must give the
+# parallel_chunks): from one range a thread to 64 chunks a thread, with no floor on a chunk's bytes
+# (these layers are far below the default's) and with the default floor, the cut must give the
 # reference's numbers, and the same ones to float32 rounding (a row lost at a chunk's bound would
 # be zeros, one computed twice into the down sums twice its value: far off either way).
 @pytest.mark.parametrize("tokens", [1, 16, 31])
@@ -100,13 +101,16 @@ def test_skewed_routing_splits_the_work_without_losing_a_row(layers, kernel_modu
 def test_every_cut_into_chunks_gives_the_same_numbers(layers, kernel_module, quant, tokens):
     ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2)
     hidden, ids, weights = batch(tokens, seed=4)
-    before, outs = kernel_module.chunks_per_thread(), {}
+    before, floor, outs = kernel_module.chunks_per_thread(), kernel_module.chunk_bytes(), {}
     try:
-        for chunks in (1, 3, 8, 64):
+        for chunks, chunk_bytes in ((1, 0), (3, 0), (8, 0), (64, 0), (8, floor), (64, 4096)):
             kernel_module.set_chunks_per_thread(chunks)
-            outs[chunks] = ex.forward(3, hidden, ids, weights)
+            kernel_module.set_chunk_bytes(chunk_bytes)
+            outs[chunks, chunk_bytes] = ex.forward(3, hidden, ids, weights)
     finally:
         kernel_module.set_chunks_per_thread(before)
+        kernel_module.set_chunk_bytes(floor)
+    outs[1] = outs[1, 0]
     assert_kernel_close(outs[1], dequantized_reference(ex, 3).forward(3, hidden, ids, weights), quant,
                         isa=kernel_module.isa())
     for chunks, got in outs.items():
@@ -119,6 +123,14 @@ def test_chunks_per_thread_out_of_range_are_refused(kernel_module):
         with pytest.raises(RuntimeError, match="chunks per thread must be in 1..64"):
             kernel_module.set_chunks_per_thread(bad)
     assert kernel_module.chunks_per_thread() == before
+
+
+def test_chunk_bytes_out_of_range_are_refused(kernel_module):
+    before = kernel_module.chunk_bytes()
+    for bad in (-1, (1 << 30) + 1):
+        with pytest.raises(RuntimeError, match="chunk bytes must be in 0..2\\^30"):
+            kernel_module.set_chunk_bytes(bad)
+    assert kernel_module.chunk_bytes() == before
 
 
 # The weight streams' software prefetch (moe_cpu.cpp's set_weight_prefetch) changes when bytes

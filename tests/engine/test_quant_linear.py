@@ -108,8 +108,10 @@ def test_native_linear_cut_into_chunks_computes_every_row(kernel_module, tokens)
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(2113, 96, generator=g), torch.randn(tokens, 96, generator=g)
     before_chunks, before_threads = kernel_module.chunks_per_thread(), torch.get_num_threads()
+    floor = kernel_module.chunk_bytes()
     try:
         torch.set_num_threads(2)
+        kernel_module.set_chunk_bytes(0)  # these matrices are far below the default floor on a chunk's bytes
         for chunks in (1, 3, 8, 64):
             kernel_module.set_chunks_per_thread(chunks)
             out = torch.full((tokens, 2113), float("nan"))
@@ -117,6 +119,7 @@ def test_native_linear_cut_into_chunks_computes_every_row(kernel_module, tokens)
             torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4, msg=f"{chunks} chunks")
     finally:
         kernel_module.set_chunks_per_thread(before_chunks)
+        kernel_module.set_chunk_bytes(floor)
         torch.set_num_threads(before_threads)
 
 
@@ -128,6 +131,7 @@ def test_native_int8_linear_cut_into_chunks_scales_every_row_once(kernel_module,
     kernel = Int8Linear(gaussian_linear(2113, 96, seed=6)).kernel
     x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(7))
     before_chunks, before_threads = kernel_module.chunks_per_thread(), torch.get_num_threads()
+    floor = kernel_module.chunk_bytes()
 
     def product(scale):
         out = torch.full((tokens, 2113), float("nan"))
@@ -136,6 +140,7 @@ def test_native_int8_linear_cut_into_chunks_scales_every_row_once(kernel_module,
 
     try:
         torch.set_num_threads(2)
+        kernel_module.set_chunk_bytes(0)  # these matrices are far below the default floor on a chunk's bytes
         unscaled = product(torch.ones_like(kernel.scale))
         for chunks in (1, 3, 8, 64):
             kernel_module.set_chunks_per_thread(chunks)
@@ -143,6 +148,7 @@ def test_native_int8_linear_cut_into_chunks_scales_every_row_once(kernel_module,
                                        msg=f"{chunks} chunks")
     finally:
         kernel_module.set_chunks_per_thread(before_chunks)
+        kernel_module.set_chunk_bytes(floor)
         torch.set_num_threads(before_threads)
 
 

@@ -40,6 +40,21 @@ static void set_chunks_per_thread(int64_t chunks) {
 
 static int64_t chunks_per_thread() { return g_chunks_per_thread.load(std::memory_order_relaxed); }
 
+// The fewest bytes of weights a chunk reads (4 MiB; fewer chunks where that leaves fewer). Each
+// chunk starts its four weight streams anew, and decode's matrices are small: on the Zen 4
+// development VM, cutting a single-stream step's regions 16 ways (1 to 12 MB each) against 2 made
+// steps 1.06-1.11x as long (int4, int8) in its fast memory spells; a floor of 1 MiB won back a
+// third of that, 4 MiB all of it, and 8-stream decode and prefill did not move (benchmarks/RESULTS.md,
+// round thirty-six). Larger models' matrices keep their chunks. set_chunk_bytes changes it.
+static std::atomic<int64_t> g_chunk_bytes{4 << 20};
+
+static void set_chunk_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes <= (int64_t{1} << 30), "chunk bytes must be in 0..2^30, got ", bytes);
+  g_chunk_bytes.store(bytes, std::memory_order_relaxed);
+}
+
+static int64_t chunk_bytes() { return g_chunk_bytes.load(std::memory_order_relaxed); }
+
 // Bytes ahead of each weight stream the kernels prefetch in software (prefetch_weights; 0: none,
 // the hardware prefetchers alone). 1 KiB took four streams of 1 KiB rows from 23.9 to 26.4 GB/s
 // on round seven's Sapphire Rapids VM. On AMD cores with AVX-512 (Zen 4 and later) the default is
@@ -80,13 +95,23 @@ static inline std::pair<int64_t, int64_t> chunk_bounds(int64_t c, int64_t n, int
   return {at(c), at(c + 1)};
 }
 
-// Chunks for `size` weight rows that each multiply `tokens` activation rows: chunks_per_thread()
-// a thread where each chunk keeps at least 8 x tokens rows (at least 16), since every chunk reads
-// all the activations again (a prefill's 64 tokens an expert are ~0.2 MB of Q8 activations at
-// down's 2,816 columns), else as many as that leaves, down to one a thread (16 rows at least).
-static inline int64_t num_chunks(int64_t size, int64_t tokens) {
-  const int64_t threads = at::get_num_threads(), rows = std::max<int64_t>(16, 8 * tokens);
-  return std::max<int64_t>({1, std::min(threads, size / 16), std::min(threads * chunks_per_thread(), size / rows)});
+// n chunks rounded down to a multiple of the threads: 5 chunks of a region on 2 threads left one
+// thread a fifth of the work alone (8-stream decode steps 1.02-1.07x as long as in 8 or 2 chunks).
+static inline int64_t whole_turns(int64_t n) {
+  const int64_t threads = at::get_num_threads();
+  return n > threads ? n / threads * threads : n;
+}
+
+// Chunks for `size` weight rows of `row_bytes` bytes that each multiply `tokens` activation rows:
+// chunks_per_thread() a thread where each chunk keeps at least 8 x tokens rows (at least 16), since
+// every chunk reads all the activations again (a prefill's 64 tokens an expert are ~0.2 MB of Q8
+// activations at down's 2,816 columns), and chunk_bytes() of weights; else as many as that leaves,
+// down to one a thread (16 rows at least).
+static inline int64_t num_chunks(int64_t size, int64_t tokens, int64_t row_bytes) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t rows = std::max<int64_t>({16, 8 * tokens, chunk_bytes() / std::max<int64_t>(1, row_bytes)});
+  const int64_t wanted = whole_turns(std::min(threads * chunks_per_thread(), size / rows));
+  return std::max<int64_t>({1, std::min(threads, size / 16), wanted});
 }
 
 // One projection's stacked weights [E, rows, K] in one storage format.
@@ -115,6 +140,16 @@ struct Act {
   float c;            // int8: correction (see quantize_act)
   const uint16_t* xb = nullptr;  // bf16 rows on AVX512_BF16: x rounded to bf16 (nullptr: the kernels use x)
 };
+
+// Bytes of one of m's rows (int4: its codes, scales and minimums).
+static int64_t row_bytes(const Mat& m) {
+  switch (m.kind) {
+    case kF32: return 4 * m.K;
+    case kBF16: return 2 * m.K;
+    case kInt8: return m.K;
+    default: return m.K / 2 + 4 * (m.K / m.group);
+  }
+}
 
 // One weight row for the four-row kernels: row `row` of expert `e` of *m.
 struct RowRef {
@@ -520,7 +555,11 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
       s0 = s1;
     }
   };
-  const std::vector<int64_t> cuts = gate_up_ranges(tokens_of, I, at::get_num_threads() * chunks_per_thread());
+  // as many ranges as for num_chunks: chunks_per_thread() a thread, of chunk_bytes() at least
+  const int64_t threads = at::get_num_threads(), gate_up_bytes = na * I * 2 * row_bytes(gum);
+  const int64_t parts = whole_turns(std::min(
+      threads * chunks_per_thread(), std::max(threads, chunk_bytes() ? gate_up_bytes / chunk_bytes() : gate_up_bytes)));
+  const std::vector<int64_t> cuts = gate_up_ranges(tokens_of, I, parts);
   parallel_chunks(static_cast<int64_t>(cuts.size()) - 1, [&](int64_t p) { gate_up_range(cuts[p], cuts[p + 1]); });
   if (n > 0) act_rows.fill(act, identity, I, g, kind, quantize_act, to_bf16);
 
@@ -528,7 +567,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   // walks the four quarters of its chunk in lockstep, expert by expert.
   float* o = out.data_ptr<float>();
   std::memset(o, 0, sizeof(float) * T * H);
-  const int64_t down_chunks = num_chunks(H, most);
+  const int64_t down_chunks = num_chunks(H, most, na * row_bytes(dnm));  // a row of each active expert
   parallel_chunks(down_chunks, [&](int64_t chunk) {
     const auto [h0, h1] = chunk_bounds(chunk, down_chunks, H, 16);
     std::vector<float> buf((h1 - h0) * most);  // one expert's results: row h's at (h - h0) * most
@@ -605,7 +644,7 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
     for (int64_t t = 0; t < T; ++t) o[seg][t * N + row] = v[t];
   };
   // A thread walks the four quarters of its chunk's rows in lockstep (four weight streams; see row_dot4).
-  const int64_t chunks = num_chunks(first_row[S], T);
+  const int64_t chunks = num_chunks(first_row[S], T, row_bytes(mats[0]));
   parallel_chunks(chunks, [&](int64_t chunk) {
     const auto [g0, g1] = chunk_bounds(chunk, chunks, first_row[S], 16);
     std::vector<float> buf(4 * T);
@@ -663,6 +702,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_chunks_per_thread", &tandem::set_chunks_per_thread,
         "chunks a parallel region's work is cut into per thread, taken as threads come free (1..64)");
   m.def("chunks_per_thread", &tandem::chunks_per_thread, "see set_chunks_per_thread");
+  m.def("set_chunk_bytes", &tandem::set_chunk_bytes,
+        "the fewest bytes of weights a chunk of a parallel region reads (0..2^30; 0: no floor)");
+  m.def("chunk_bytes", &tandem::chunk_bytes, "see set_chunk_bytes");
   m.def("set_weight_prefetch", &tandem::set_weight_prefetch,
         "bytes ahead of each weight stream the kernels prefetch (0: none; between calls, not during one)");
   m.def("weight_prefetch", [] { return tandem::g_weight_prefetch; }, "see set_weight_prefetch");
