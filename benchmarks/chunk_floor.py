@@ -18,27 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-from pathlib import Path
 
-from weight_prefetch import CACHE, PRECISIONS, WINDOWS, load_engine, timed_steps  # this folder
+from weight_prefetch import by_window, engine_args, load_engine, native_kernel, timed_steps  # this folder
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", type=Path, default=CACHE / "compare-mixtral")
-    ap.add_argument("--precision", default="int8", choices=sorted(PRECISIONS))
+    engine_args(ap)
     ap.add_argument("--settings", default="8:0,8", help="chunks a thread[:fewest bytes a chunk], comma-separated")
-    ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     settings = args.settings.split(",")
 
-    from tandem.experts import native
-
-    kernel = native.load_kernel()
-    if kernel is None:
-        raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
+    kernel = native_kernel()
     default_chunks, default_bytes = kernel.chunks_per_thread(), kernel.chunk_bytes()
     engine = load_engine(args.checkpoint, args.precision, args.threads)
 
@@ -56,13 +47,7 @@ def main() -> None:
         kernel.set_chunk_bytes(default_bytes)
     out = {"precision": args.precision, "default_chunk_bytes": default_bytes,
            "load_average": round(os.getloadavg()[0], 2)}
-    for window, keep in WINDOWS.items():
-        for setting in settings:
-            tok_s = [tok for s, read, tok in rows if s == setting and keep(read)]
-            out[f"{window}.{setting}"] = {"tok_s": round(statistics.median(tok_s), 1) if tok_s else None,
-                                          "steps": len(tok_s)}
-    out["read_gbs_median"] = round(statistics.median(read for _, read, _ in rows), 1)
-    print(json.dumps(out))
+    print(json.dumps(out | by_window(rows, settings)))
 
 
 if __name__ == "__main__":

@@ -41,19 +41,12 @@ STEPS_PER_TURN, TURNS_PER_REQUEST = 3, 7  # see timed_steps
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", type=Path, default=CACHE / "compare-mixtral")
-    ap.add_argument("--precision", default="int8", choices=sorted(PRECISIONS))
+    engine_args(ap)
     ap.add_argument("--prefetch", default="0,1024", help="bytes ahead to compare, comma-separated")
-    ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     settings = [int(b) for b in args.prefetch.split(",")]
 
-    from tandem.experts import native
-
-    kernel = native.load_kernel()
-    if kernel is None:
-        raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
+    kernel = native_kernel()
     default = kernel.weight_prefetch()
     engine = load_engine(args.checkpoint, args.precision, args.threads)
 
@@ -62,17 +55,43 @@ def main() -> None:
         kernel.set_weight_prefetch(ahead)
         return ahead
 
-    rows = timed_steps(engine, args.seconds, turn)
-    out = {"precision": args.precision, "default_prefetch": default,
-           "load_average": round(os.getloadavg()[0], 2)}
+    try:
+        rows = timed_steps(engine, args.seconds, turn)
+    finally:
+        kernel.set_weight_prefetch(default)
+    out = {"precision": args.precision, "default_prefetch": default, "load_average": round(os.getloadavg()[0], 2)}
+    print(json.dumps(out | by_window(rows, settings, lambda ahead: f"prefetch_{ahead}")))
+
+
+def engine_args(ap: argparse.ArgumentParser) -> None:
+    """The options of an alternating loop's engine (load_engine) and of its length."""
+    ap.add_argument("--checkpoint", type=Path, default=CACHE / "compare-mixtral")
+    ap.add_argument("--precision", default="int8", choices=sorted(PRECISIONS))
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--threads", type=int, default=2)
+
+
+def native_kernel():
+    """The native kernel module, whose settings the loops alternate; exits where it cannot load."""
+    from tandem.experts import native
+
+    kernel = native.load_kernel()
+    if kernel is None:
+        raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
+    return kernel
+
+
+def by_window(rows: list[tuple[object, float, float]], settings: list, name=str) -> dict:
+    """timed_steps' rows as each window's median tok/s and step count per setting (keyed
+    "window.name(setting)"), and the median read."""
+    out = {}
     for window, keep in WINDOWS.items():
-        for ahead in settings:
-            tok_s = [tok for a, read, tok in rows if a == ahead and keep(read)]
-            out[f"{window}.prefetch_{ahead}"] = {"tok_s": round(statistics.median(tok_s), 1) if tok_s else None,
-                                                 "steps": len(tok_s)}
-    kernel.set_weight_prefetch(default)
+        for setting in settings:
+            tok_s = [tok for s, read, tok in rows if s == setting and keep(read)]
+            out[f"{window}.{name(setting)}"] = {"tok_s": round(statistics.median(tok_s), 1) if tok_s else None,
+                                                "steps": len(tok_s)}
     out["read_gbs_median"] = round(statistics.median(read for _, read, _ in rows), 1)
-    print(json.dumps(out))
+    return out
 
 
 def load_engine(checkpoint: Path, precision: str, threads: int):
