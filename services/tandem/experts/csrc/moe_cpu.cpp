@@ -44,8 +44,9 @@ static int64_t chunks_per_thread() { return g_chunks_per_thread.load(std::memory
 // chunk starts its four weight streams anew, and decode's matrices are small: on the Zen 4
 // development VM, cutting a single-stream step's regions 16 ways (1 to 12 MB each) against 2 made
 // steps 1.06-1.11x as long (int4, int8) in its fast memory spells; a floor of 1 MiB won back a
-// third of that, 4 MiB all of it, and 8-stream decode and prefill did not move (benchmarks/RESULTS.md,
-// round thirty-six). Larger models' matrices keep their chunks. set_chunk_bytes changes it.
+// third of that, 4 MiB all of it, and 8-stream decode and prefill did not move
+// (benchmarks/RESULTS.md, round thirty-six). Larger models' matrices keep their chunks.
+// set_chunk_bytes changes it.
 static std::atomic<int64_t> g_chunk_bytes{4 << 20};
 
 static void set_chunk_bytes(int64_t bytes) {
@@ -97,7 +98,7 @@ static inline std::pair<int64_t, int64_t> chunk_bounds(int64_t c, int64_t n, int
 
 // n chunks rounded down to a multiple of the threads: 5 chunks of a region on 2 threads left one
 // thread a fifth of the work alone (8-stream decode steps 1.02-1.07x as long as in 8 or 2 chunks).
-static inline int64_t whole_turns(int64_t n) {
+static inline int64_t round_to_threads(int64_t n) {
   const int64_t threads = at::get_num_threads();
   return n > threads ? n / threads * threads : n;
 }
@@ -110,7 +111,7 @@ static inline int64_t whole_turns(int64_t n) {
 static inline int64_t num_chunks(int64_t size, int64_t tokens, int64_t row_bytes) {
   const int64_t threads = at::get_num_threads();
   const int64_t rows = std::max<int64_t>({16, 8 * tokens, chunk_bytes() / std::max<int64_t>(1, row_bytes)});
-  const int64_t wanted = whole_turns(std::min(threads * chunks_per_thread(), size / rows));
+  const int64_t wanted = round_to_threads(std::min(threads * chunks_per_thread(), size / rows));
   return std::max<int64_t>({1, std::min(threads, size / 16), wanted});
 }
 
@@ -555,10 +556,11 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
       s0 = s1;
     }
   };
-  // as many ranges as for num_chunks: chunks_per_thread() a thread, of chunk_bytes() at least
-  const int64_t threads = at::get_num_threads(), gate_up_bytes = na * I * 2 * row_bytes(gum);
-  const int64_t parts = whole_turns(std::min(
-      threads * chunks_per_thread(), std::max(threads, chunk_bytes() ? gate_up_bytes / chunk_bytes() : gate_up_bytes)));
+  // chunks_per_thread() ranges a thread, fewer where a range would read less than chunk_bytes()
+  const int64_t threads = at::get_num_threads(), most_parts = threads * chunks_per_thread();
+  const int64_t min_bytes = chunk_bytes(), gate_up_bytes = na * I * 2 * row_bytes(gum);
+  const int64_t parts =
+      round_to_threads(min_bytes ? std::min(most_parts, std::max(threads, gate_up_bytes / min_bytes)) : most_parts);
   const std::vector<int64_t> cuts = gate_up_ranges(tokens_of, I, parts);
   parallel_chunks(static_cast<int64_t>(cuts.size()) - 1, [&](int64_t p) { gate_up_range(cuts[p], cuts[p + 1]); });
   if (n > 0) act_rows.fill(act, identity, I, g, kind, quantize_act, to_bf16);
@@ -666,7 +668,7 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
       row_dot(mats[sg], 0, row, rows.rows.data(), T, res[0]);
       store(sg, row, res[0]);
     }
-    if (kind == kInt8)  // the chunk's outputs times their rows' scales (see Mat::scale), matrix by matrix
+    if (kind == kInt8)  // the chunk's outputs times their rows' scales (Mat::scale), matrix by matrix
       for (int64_t sg = segment(g0), g = g0; g < g1; ++sg) {
         const int64_t N = mats[sg].rows, r0 = g - first_row[sg];
         const int64_t r1 = std::min(g1, first_row[sg + 1]) - first_row[sg];
