@@ -522,13 +522,14 @@ static inline float int4_tail(float r, const uint8_t* w, const uint16_t* scale, 
   return r;
 }
 
-// int4 row x Q8 activations: sum_b s_g(b) d_b sum_j q_bj xq_bj + sum_g min_g xs_g.
-// group = 32 << S: a shift, not a division, per block (an integer divide costs more than the
+// int4 row x Q8 activations: sum_b s_g(b) d_b sum_j q_bj xq_bj + sum_g min_g xs_g, for groups of
+// 32 << S weights: a shift, not a division, per block (an integer divide costs more than the
 // block's whole dot product).
 template <int S, int NT>
-static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn, int64_t K, int64_t group,
-                     const Act* a, float* res) {
-  const int64_t blocks = K / 32, supers = blocks / kSuper, per_group = group / 32;
+static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn, int64_t K, const Act* a,
+                     float* res) {
+  constexpr int64_t group = 32 << S, per_group = 1 << S;
+  const int64_t blocks = K / 32, supers = blocks / kSuper;
   T acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = V::zero();
   for (int64_t sb = 0; sb < supers; ++sb) {
@@ -667,7 +668,7 @@ static void row_tile(const Mat& m, int64_t e, int64_t row, const Act* a, float* 
       }
 #endif
       with_group_shift(m.group, [&](auto s) {
-        dot_int4<decltype(s)::value, NT>(w, m.scale16 + r * groups, mn, m.K, m.group, a, res);
+        dot_int4<decltype(s)::value, NT>(w, m.scale16 + r * groups, mn, m.K, a, res);
       });
       break;
     }
@@ -818,8 +819,9 @@ static void dot_int8_4(const int8_t* const* w, int64_t K, const Act* a, float* r
 // weight streams.
 template <int S, int NT>
 static void dot_int4_4(const uint8_t* const* w, const uint16_t* const* scale, const uint16_t* const* mn, int64_t K,
-                       int64_t group, const Act* a, float* res) {
-  const int64_t blocks = K / 32, supers = blocks / kSuper, per_group = group / 32;
+                       const Act* a, float* res) {
+  constexpr int64_t group = 32 << S, per_group = 1 << S;
+  const int64_t blocks = K / 32, supers = blocks / kSuper;
   T acc[4][NT];
   for (int r = 0; r < 4; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = V::zero();
@@ -910,7 +912,7 @@ static void row_tile4(const RowRef* refs, const Act* a, float* res) {
       }
 #endif
       for (int r = 0; r < 4; ++r) sc[r] = refs[r].m->scale16 + refs[r].index() * groups;
-      with_group_shift(m.group, [&](auto s) { dot_int4_4<decltype(s)::value, NT>(w, sc, mn, m.K, m.group, a, res); });
+      with_group_shift(m.group, [&](auto s) { dot_int4_4<decltype(s)::value, NT>(w, sc, mn, m.K, a, res); });
       break;
     }
   }

@@ -523,17 +523,12 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
       const int64_t j0 = s0 - ai * I, len = s1 - s0, half = (len + 1) / 2;
       // activations j .. j + m of every token from kept rows 0 .. m of part[p] (gate), part[p + 1] (up)
       auto finish = [&](int p, int64_t j, int64_t m) {
-        const float* gs = gu_row_scale ? gu_row_scale + e * 2 * I + j : nullptr;
+        const float* gs = gu_row_scale ? gu_row_scale + e * 2 * I + j : nullptr;  // int8: gate's, then up's
         for (int64_t s = 0; s < c; ++s) {
           for (int64_t i = 0; i < m; ++i) {
-            g[i] = part[p][i * most + s];
-            u[i] = part[p + 1][i * most + s];
+            g[i] = part[p][i * most + s] * (gs ? gs[i] : 1.f);
+            u[i] = part[p + 1][i * most + s] * (gs ? gs[I + i] : 1.f);
           }
-          if (gs)
-            for (int64_t i = 0; i < m; ++i) {
-              g[i] *= gs[i];
-              u[i] *= gs[I + i];
-            }
           silu_mul(g.data(), u.data(), act + (b + s) * I + j, m);
         }
       };
