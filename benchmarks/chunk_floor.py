@@ -20,6 +20,7 @@ import json
 import os
 
 from weight_prefetch import by_window, engine_args, load_engine, native_kernel, timed_steps  # this folder
+from work_chunks import use_chunks  # this folder
 
 
 def main() -> None:
@@ -35,9 +36,7 @@ def main() -> None:
 
     def turn(i: int) -> str:
         setting = settings[i % len(settings)]
-        chunks, _, floor = setting.partition(":")
-        kernel.set_chunks_per_thread(int(chunks))
-        kernel.set_chunk_bytes(int(floor) if floor else default_bytes)
+        use_chunks(kernel, setting, default_bytes)
         return setting
 
     try:

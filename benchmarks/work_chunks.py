@@ -9,8 +9,8 @@ checkpoint.
 Each round runs every `--chunks` setting once, in turn: chunks a thread (set_chunks_per_thread), and
 after a colon the fewest bytes of weights a chunk reads (set_chunk_bytes; left out: the default).
 A round prefills `--streams` prompts of `--prompt-len` tokens as one batch, then times a 30-step
-decode window of `--streams` sequences. Prints each setting's median prefill and decode step time and the median of
-the rounds' ratios to the first setting (below 1: faster). A noisy VM's drift falls on both
+decode window of `--streams` sequences. Prints each setting's median prefill and decode step time
+and the median of the rounds' ratios to the first setting (below 1: faster). A noisy VM's drift falls on both
 settings of a round alike, which single runs of two builds cannot give. With `--device cuda` the
 attention runs on the GPU and the routed experts on this machine's cores (the hybrid path). Not a
 test: for benchmarks/RESULTS.md.
@@ -55,11 +55,6 @@ def main() -> None:
     if kernel is None:
         raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
     default_bytes = kernel.chunk_bytes()
-
-    def use(setting: str) -> None:
-        chunks, _, floor = setting.partition(":")
-        kernel.set_chunks_per_thread(int(chunks))
-        kernel.set_chunk_bytes(int(floor) if floor else default_bytes)
     engine = LLMEngine.from_pretrained(args.checkpoint, device=args.device, dtype=args.dtype,
                                        expert_threads=args.threads, expert_quant=args.expert_quant,
                                        dense_quant=args.dense_quant,
@@ -89,12 +84,12 @@ def main() -> None:
         return (time.perf_counter() - start) / DECODE_STEPS
 
     for c in settings:  # warm-up: every setting once
-        use(c)
+        use_chunks(kernel, c, default_bytes)
         prefill()
     times = {c: {"prefill": [], "decode": []} for c in settings}
     for _ in range(args.rounds):
         for c in settings:
-            use(c)
+            use_chunks(kernel, c, default_bytes)
             times[c]["prefill"].append(prefill())
             add(args.streams, 2 * DECODE_STEPS + 1)
             times[c]["decode"].append(decode())
@@ -111,6 +106,14 @@ def main() -> None:
             ratio = statistics.median(a / b for a, b in zip(times[c][phase], times[base][phase]))
             row.append(f"{phase} {ms:7.1f} {unit} ({ratio:.3f}x)")
         print(f"  {c:>12} (chunks a thread[:bytes]): " + ", ".join(row), flush=True)
+
+
+def use_chunks(kernel, setting: str, default_bytes: int) -> None:
+    """Sets the kernel's chunking to `setting`: chunks a thread, and after a colon the fewest bytes
+    a chunk reads (left out: `default_bytes`)."""
+    chunks, _, floor = setting.partition(":")
+    kernel.set_chunks_per_thread(int(chunks))
+    kernel.set_chunk_bytes(int(floor) if floor else default_bytes)
 
 
 if __name__ == "__main__":
