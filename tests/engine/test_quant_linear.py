@@ -100,56 +100,52 @@ def test_native_linear_in_float_storage_equals_f_linear(kernel_module, dtype, ki
     torch.testing.assert_close(out, F.linear(xs, w.float()), rtol=1e-5, atol=1e-4)
 
 
+@pytest.fixture
+def chunked(kernel_module):
+    """The kernel on two threads with no floor on a chunk's bytes (these tests' matrices are far below
+    the default floor, which would leave one chunk a thread); the test sets chunks a thread. All three
+    settings are restored after."""
+    before = kernel_module.chunks_per_thread(), kernel_module.chunk_bytes(), torch.get_num_threads()
+    torch.set_num_threads(2)
+    kernel_module.set_chunk_bytes(0)
+    yield kernel_module
+    kernel_module.set_chunks_per_thread(before[0])
+    kernel_module.set_chunk_bytes(before[1])
+    torch.set_num_threads(before[2])
+
+
 # 2,113 rows cut into chunks the threads take as they come free (moe_cpu.cpp's parallel_chunks):
 # from one range a thread to 64 chunks a thread, every row lands in its place (F.linear's): a row
 # lost at a chunk's bound would stay NaN.
 @pytest.mark.parametrize("tokens", [1, 3, 40])
-def test_native_linear_cut_into_chunks_computes_every_row(kernel_module, tokens):
+def test_native_linear_cut_into_chunks_computes_every_row(chunked, tokens):
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(2113, 96, generator=g), torch.randn(tokens, 96, generator=g)
-    before_chunks, before_threads = kernel_module.chunks_per_thread(), torch.get_num_threads()
-    floor = kernel_module.chunk_bytes()
-    try:
-        torch.set_num_threads(2)
-        kernel_module.set_chunk_bytes(0)  # these matrices are far below the default floor on a chunk's bytes
-        for chunks in (1, 3, 8, 64):
-            kernel_module.set_chunks_per_thread(chunks)
-            out = torch.full((tokens, 2113), float("nan"))
-            kernel_module.linear_forward(x, 0, w, torch.empty(0), out)
-            torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4, msg=f"{chunks} chunks")
-    finally:
-        kernel_module.set_chunks_per_thread(before_chunks)
-        kernel_module.set_chunk_bytes(floor)
-        torch.set_num_threads(before_threads)
+    for chunks in (1, 3, 8, 64):
+        chunked.set_chunks_per_thread(chunks)
+        out = torch.full((tokens, 2113), float("nan"))
+        chunked.linear_forward(x, 0, w, torch.empty(0), out)
+        torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4, msg=f"{chunks} chunks")
 
 
 # int8 rows come out of the kernels unscaled, and each chunk scales its own rows afterwards: with
 # any cut into chunks, every row is its unscaled product (the same rows under unit scales) times its
 # scale, once: a row left unscaled, or scaled twice, at a chunk's bound would differ.
 @pytest.mark.parametrize("tokens", [1, 3, 40])
-def test_native_int8_linear_cut_into_chunks_scales_every_row_once(kernel_module, tokens):
+def test_native_int8_linear_cut_into_chunks_scales_every_row_once(chunked, tokens):
     kernel = Int8Linear(gaussian_linear(2113, 96, seed=6)).kernel
     x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(7))
-    before_chunks, before_threads = kernel_module.chunks_per_thread(), torch.get_num_threads()
-    floor = kernel_module.chunk_bytes()
 
     def product(scale):
         out = torch.full((tokens, 2113), float("nan"))
-        kernel_module.linear_forward(x, native.KIND_INT8, kernel.q, scale, out)
+        chunked.linear_forward(x, native.KIND_INT8, kernel.q, scale, out)
         return out
 
-    try:
-        torch.set_num_threads(2)
-        kernel_module.set_chunk_bytes(0)  # these matrices are far below the default floor on a chunk's bytes
-        unscaled = product(torch.ones_like(kernel.scale))
-        for chunks in (1, 3, 8, 64):
-            kernel_module.set_chunks_per_thread(chunks)
-            torch.testing.assert_close(product(kernel.scale), unscaled * kernel.scale, rtol=0, atol=0,
-                                       msg=f"{chunks} chunks")
-    finally:
-        kernel_module.set_chunks_per_thread(before_chunks)
-        kernel_module.set_chunk_bytes(floor)
-        torch.set_num_threads(before_threads)
+    unscaled = product(torch.ones_like(kernel.scale))
+    for chunks in (1, 3, 8, 64):
+        chunked.set_chunks_per_thread(chunks)
+        torch.testing.assert_close(product(kernel.scale), unscaled * kernel.scale, rtol=0, atol=0,
+                                   msg=f"{chunks} chunks")
 
 
 def test_native_linear_refuses_bad_shapes(kernel_module):
