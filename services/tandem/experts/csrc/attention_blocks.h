@@ -23,7 +23,10 @@ namespace tandem::attention {
 // step(), spread over the block's arithmetic: the pool's blocks sit anywhere, so the hardware
 // prefetchers stop at each block's end. With the KV in RAM, as in serving, this took 5-10% off a
 // call at 8 KV heads of 64 (32 KB blocks) and 20-30% at one (4 KB blocks); KV already in cache
-// pays for the instructions.
+// pays for the instructions. The lines go to L2 (prefetcht1), not L1: a 32 KB block asked into
+// a 32 KB L1 evicts the block being computed, and each line held an L1 miss buffer until it came.
+// On the Zen 4 development VM, L2 against L1 took float32 calls over 512 and 4,096 tokens of KV
+// in RAM from 19-20 to 25-26 and 21-24 to 29-35 GB/s (benchmarks/RESULTS.md, round thirty-seven).
 class Prefetch {
  public:
   Prefetch(const char* next, int64_t row_stride, int64_t row_bytes, int64_t n, int64_t steps)
@@ -32,7 +35,7 @@ class Prefetch {
   TANDEM_INLINE void step() {
     for (int64_t left = per_step_; left > 0 && rows_ > 0;) {
       const int64_t lines = std::min(left, (row_end_ - at_ + 63) / 64);
-      for (int64_t i = 0; i < lines; ++i) __builtin_prefetch(at_ + 64 * i);
+      for (int64_t i = 0; i < lines; ++i) __builtin_prefetch(at_ + 64 * i, 0, 2);  // prefetcht1
       at_ += 64 * lines;
       left -= lines;
       if (at_ >= row_end_) row_end_ += stride_, at_ = row_end_ - row_bytes_, --rows_;
