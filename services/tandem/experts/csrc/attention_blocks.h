@@ -26,7 +26,7 @@ namespace tandem::attention {
 // pays for the instructions. The lines go to L2 (prefetcht1), not L1: a 32 KB block asked into
 // a 32 KB L1 evicts the block being computed, and each line held an L1 miss buffer until it came.
 // On the Zen 4 development VM, L2 against L1 took float32 calls over 512 and 4,096 tokens of KV
-// in RAM from 19-20 to 25-26 and 21-24 to 29-35 GB/s (benchmarks/RESULTS.md, round thirty-seven).
+// in RAM from 103 to 84 and from 757 to 578 us (benchmarks/RESULTS.md, round thirty-seven).
 class Prefetch {
  public:
   Prefetch(const char* next, int64_t row_stride, int64_t row_bytes, int64_t n, int64_t steps)
