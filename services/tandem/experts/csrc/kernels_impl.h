@@ -558,24 +558,27 @@ static void dot_int4(const uint8_t* w, const uint16_t* scale, const uint16_t* mn
 // one conversion and FMA per 256 weights, not per 64. |lanes| stay below 2^31: a 256-block adds
 // 4 superblocks of 2 * 7620 * 16383 at most (see quant.INT4_ISCALE_MAX).
 
-// The int16 scales of superblock sb's two blocks: block 0's in int16 lanes 0..7, block 1's in 8..15.
-static inline __m256i superblock_iscales(const int16_t* isc, int64_t sb, int shift) {
-  const uint32_t lo = static_cast<uint16_t>(isc[(sb * 2) >> shift]);
-  const uint32_t hi = static_cast<uint16_t>(isc[(sb * 2 + 1) >> shift]);
+// The int16 scales of superblock sb's two blocks (groups of 32 << S weights): block 0's in int16
+// lanes 0..7, block 1's in 8..15.
+template <int S>
+static inline __m256i superblock_iscales(const int16_t* isc, int64_t sb) {
+  const uint32_t lo = static_cast<uint16_t>(isc[(sb * 2) >> S]);
+  const uint32_t hi = static_cast<uint16_t>(isc[(sb * 2 + 1) >> S]);
   const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
   return _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(lo | (hi << 16))), spread);
 }
 
-// res[r * NT + t] = int4 row w[r] (integer scales isc[r], minimums mn[r]) times Q8 activations
-// a[t], for R rows: f * (sum over 256-blocks of d * sum_b isc_g(b) q_b . xq_b) + sum_g min_g xs_g.
-template <int R, int NT>
+// res[r * NT + t] = int4 row w[r] (integer scales isc[r] of groups of 32 << S weights, minimums
+// mn[r]) times Q8 activations a[t], for R rows: f * (sum over 256-blocks of d * sum_b isc_g(b)
+// q_b . xq_b) + sum_g min_g xs_g. The group size is a template argument, as dot_int4's.
+template <int S, int R, int NT>
 static void dot_int4_iscaled(const uint8_t* const* w, const int16_t* const* isc, const uint16_t* const* mn,
-                             int64_t K, int64_t group, const Act* a, float* res) {
+                             int64_t K, const Act* a, float* res) {
   static_assert(kSuper == 2 && kActBlock == 256, "the AVX2 layout");
   constexpr int64_t kRun = kActBlock / (32 * kSuper);  // superblocks an activation scale covers
-  const int64_t blocks = K / 32, supers = blocks / kSuper, per_group = group / 32, groups = K / group;
-  const int shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;  // see dot_int4
+  constexpr int64_t group = 32 << S, per_group = 1 << S;
+  const int64_t blocks = K / 32, supers = blocks / kSuper, groups = K / group;
   T acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = V::zero();
@@ -587,7 +590,7 @@ static void dot_int4_iscaled(const uint8_t* const* w, const int16_t* const* isc,
     for (int64_t sb = s0; sb < s1; ++sb)
       for (int r = 0; r < R; ++r) {
         prefetch_weights(w[r] + sb * kSuper * 16);
-        const __m256i sv = superblock_iscales(isc[r], sb, shift);
+        const __m256i sv = superblock_iscales<S>(isc[r], sb);
         const V::I4 u = V::unpack_i4(w[r] + sb * kSuper * 16);
         for (int t = 0; t < NT; ++t)
           sum[r][t] = _mm256_add_epi32(sum[r][t], _mm256_madd_epi16(V::sum_i4(u, a[t].q + sb * kSuper * 32), sv));
@@ -663,7 +666,9 @@ static void row_tile(const Mat& m, int64_t e, int64_t row, const Act* a, float* 
 #if !TANDEM_WIDE
       if (m.iscale) {
         const int16_t* isc = m.iscale + r * (groups + 2);
-        dot_int4_iscaled<1, NT>(&w, &isc, &mn, m.K, m.group, a, res);
+        with_group_shift(m.group, [&](auto s) {
+          dot_int4_iscaled<decltype(s)::value, 1, NT>(&w, &isc, &mn, m.K, a, res);
+        });
         break;
       }
 #endif
@@ -907,7 +912,9 @@ static void row_tile4(const RowRef* refs, const Act* a, float* res) {
       if (m.iscale) {  // the Mats of one call all store their scales one way (make_mat)
         const int16_t* isc[4];
         for (int r = 0; r < 4; ++r) isc[r] = refs[r].m->iscale + refs[r].index() * (groups + 2);
-        dot_int4_iscaled<4, NT>(w, isc, mn, m.K, m.group, a, res);
+        with_group_shift(m.group, [&](auto s) {
+          dot_int4_iscaled<decltype(s)::value, 4, NT>(w, isc, mn, m.K, a, res);
+        });
         break;
       }
 #endif
