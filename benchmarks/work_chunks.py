@@ -49,11 +49,9 @@ def main() -> None:
 
     from tandem.engine.llm_engine import EngineConfig, LLMEngine
     from tandem.engine.sampling_params import SamplingParams
-    from tandem.experts import native
+    from weight_prefetch import native_kernel  # this folder
 
-    kernel = native.load_kernel()
-    if kernel is None:
-        raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
+    kernel = native_kernel()
     default_bytes = kernel.chunk_bytes()
     engine = LLMEngine.from_pretrained(args.checkpoint, device=args.device, dtype=args.dtype,
                                        expert_threads=args.threads, expert_quant=args.expert_quant,
