@@ -98,21 +98,17 @@ def test_skewed_routing_splits_the_work_without_losing_a_row(layers, kernel_modu
 # be zeros, one computed twice into the down sums twice its value: far off either way).
 @pytest.mark.parametrize("tokens", [1, 16, 31])
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
-def test_every_cut_into_chunks_gives_the_same_numbers(layers, kernel_module, quant, tokens):
+def test_every_cut_into_chunks_gives_the_same_numbers(layers, chunk_settings, quant, tokens):
     ex = CpuExpertExecutor(layers, quant=quant, kernel="native", threads=2)
     hidden, ids, weights = batch(tokens, seed=4)
-    before, floor, outs = kernel_module.chunks_per_thread(), kernel_module.chunk_bytes(), {}
-    try:
-        for chunks, chunk_bytes in ((1, 0), (3, 0), (8, 0), (64, 0), (8, floor), (64, 4096)):
-            kernel_module.set_chunks_per_thread(chunks)
-            kernel_module.set_chunk_bytes(chunk_bytes)
-            outs[chunks, chunk_bytes] = ex.forward(3, hidden, ids, weights)
-    finally:
-        kernel_module.set_chunks_per_thread(before)
-        kernel_module.set_chunk_bytes(floor)
+    floor, outs = chunk_settings.chunk_bytes(), {}  # the default floor; put back after (conftest.py)
+    for chunks, chunk_bytes in ((1, 0), (3, 0), (8, 0), (64, 0), (8, floor), (64, 4096)):
+        chunk_settings.set_chunks_per_thread(chunks)
+        chunk_settings.set_chunk_bytes(chunk_bytes)
+        outs[chunks, chunk_bytes] = ex.forward(3, hidden, ids, weights)
     one = outs[1, 0]  # one range a thread
     assert_kernel_close(one, dequantized_reference(ex, 3).forward(3, hidden, ids, weights), quant,
-                        isa=kernel_module.isa())
+                        isa=chunk_settings.isa())
     for chunks, got in outs.items():
         torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5 * one.abs().max().item(), msg=chunks)
 

@@ -101,17 +101,13 @@ def test_native_linear_in_float_storage_equals_f_linear(kernel_module, dtype, ki
 
 
 @pytest.fixture
-def chunked(kernel_module):
+def chunked(chunk_settings):
     """The kernel on two threads with no floor on a chunk's bytes (these tests' matrices are far below
     the default floor, which would leave one chunk a thread); the test sets chunks a thread. All three
-    settings are restored after."""
-    before = kernel_module.chunks_per_thread(), kernel_module.chunk_bytes(), torch.get_num_threads()
+    settings are restored after (chunk_settings, tests/engine/conftest.py)."""
     torch.set_num_threads(2)
-    kernel_module.set_chunk_bytes(0)
-    yield kernel_module
-    kernel_module.set_chunks_per_thread(before[0])
-    kernel_module.set_chunk_bytes(before[1])
-    torch.set_num_threads(before[2])
+    chunk_settings.set_chunk_bytes(0)
+    return chunk_settings
 
 
 # 2,113 rows cut into chunks the threads take as they come free (moe_cpu.cpp's parallel_chunks):
