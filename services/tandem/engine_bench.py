@@ -5,7 +5,8 @@ Roofline: decode streams weights from memory once per step, so its limit is
 bytes read per step / read bandwidth. Bytes read per step count the distinct experts the step
 touched (measured, per layer) plus every other weight (attention, dense, router, LM head). The
 KV cache a step attends to is read too: `roofline_share_with_kv` adds it (the single-stream
-decode's mean context, in the cache's dtype), beside the weights-only `roofline_share`.
+decode's mean context, in the cache's dtype), beside the weights-only `roofline_share`. Each
+`--concurrency` row has its own bytes a step and share: a batch's tokens touch more experts.
 
 The read bandwidth is measured before the engine loads (best of 5, as STREAM reports it), and
 again beside the decode: `--paired-rounds` single-stream decodes, each between two `sum` reads
@@ -42,6 +43,7 @@ class ExpertTraffic:
         self.inner, self.bytes_per_expert = executor, bytes_per_expert
         self._counted = 0
         self._pending: list[tuple[int, torch.Tensor]] = []
+        self._calls: list[tuple[int, int, int]] = []  # (layer, tokens, bytes) of each call counted
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
         self.observe(layer, topk_ids, 0.0)
@@ -51,12 +53,34 @@ class ExpertTraffic:
         """Count a call, also one the native decode path made directly (tandem.model.native_decode)."""
         self._pending.append((layer, topk_ids.clone()))
 
+    def _count(self) -> None:
+        for layer, ids in self._pending:
+            touched = int(torch.unique(ids).numel()) * self.bytes_per_expert.get(layer, 0)
+            self._counted += touched
+            self._calls.append((layer, ids.shape[0], touched))
+        self._pending.clear()
+
     @property
     def bytes(self) -> int:
-        for layer, ids in self._pending:
-            self._counted += int(torch.unique(ids).numel()) * self.bytes_per_expert.get(layer, 0)
-        self._pending.clear()
+        self._count()
         return self._counted
+
+    @property
+    def calls(self) -> int:
+        """Calls so far: a mark for step_bytes."""
+        self._count()
+        return len(self._calls)
+
+    def step_bytes(self, since: int, tokens: int) -> float | None:
+        """Expert bytes a step of `tokens` tokens read: over the calls after the first `since` that
+        had that many tokens (a batch's decode steps, its streams one token each), each layer's mean
+        bytes a call, summed over the layers. None where no call had that many."""
+        self._count()
+        by_layer: dict[int, list[int]] = {}
+        for layer, n, touched in self._calls[since:]:
+            if n == tokens:
+                by_layer.setdefault(layer, []).append(touched)
+        return sum(statistics.fmean(v) for v in by_layer.values()) if by_layer else None
 
 
 def dense_weight_bytes(model) -> int:
@@ -223,11 +247,24 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
                       roofline_share_gemv=roofline_share(bytes_per_step, result["decode_tok_s"], bandwidth["gemv"]))
     if read_bandwidth is not None and paired_rounds > 0:
         result.update(paired_roofline(engine, lambda: prompts(1), gen_len, traffic, read_bandwidth, paired_rounds))
+    # Each concurrency's decode steps read the distinct experts its streams' tokens touched together
+    # (8 streams over 8 experts of which each picks 2 touch ~7 of them a layer, where one stream
+    # touches 2): its roofline share is those bytes a step over the step's time, the streams' median
+    # inter-token gap, as the single stream's is over its mean.
     result["concurrency"] = {}
+    dense = dense_weight_bytes(engine.model)
     for c in concurrency:
+        since = traffic.calls if traffic is not None else 0
         run = run_requests(engine, prompts(c), gen_len)
-        result["concurrency"][c] = {"aggregate_tok_s": run["generated"] / run["wall_s"],
-                                    "itl_p50_s": percentile(run["itl"], 50), "itl_p95_s": percentile(run["itl"], 95)}
+        row = result["concurrency"][c] = {"aggregate_tok_s": run["generated"] / run["wall_s"],
+                                          "itl_p50_s": (itl := percentile(run["itl"], 50)),
+                                          "itl_p95_s": percentile(run["itl"], 95)}
+        if traffic is not None and (experts := traffic.step_bytes(since, c)) is not None:
+            row["weight_bytes_per_step"] = dense + experts
+            if bandwidth and itl > 0:
+                from tandem.bench import roofline_share
+
+                row["roofline_share"] = roofline_share(dense + experts, 1 / itl, bandwidth["sum"])
     return result
 
 

@@ -25,6 +25,23 @@ def test_expert_traffic_counts_distinct_experts_per_call():
     assert traffic.bytes == 3 * 100 + 2 * 10
 
 
+def test_a_batch_step_reads_the_distinct_experts_of_its_tokens_summed_over_layers():
+    traffic = ExpertTraffic(_Echo(), {0: 100, 1: 10})
+    traffic.forward(0, torch.zeros(5, 4), torch.tensor([[0, 1]] * 5), torch.ones(5, 2))  # a prefill: 5 tokens
+    mark = traffic.calls
+    assert mark == 1
+    for ids0, ids1 in (([[0, 1], [2, 3]], [[0, 1], [0, 1]]), ([[0, 1], [1, 0]], [[4, 5], [6, 7]])):
+        traffic.forward(0, torch.zeros(2, 4), torch.tensor(ids0), torch.ones(2, 2))
+        traffic.forward(1, torch.zeros(2, 4), torch.tensor(ids1), torch.ones(2, 2))
+    traffic.forward(0, torch.zeros(1, 4), torch.tensor([[0, 7]]), torch.ones(1, 2))  # one stream left
+    # two-token steps: layer 0 touched 4 then 2 experts (mean 300 bytes), layer 1 2 then 4 (mean 30)
+    assert traffic.step_bytes(mark, 2) == pytest.approx(300 + 30)
+    assert traffic.step_bytes(mark, 1) == pytest.approx(200)
+    assert traffic.step_bytes(mark, 5) is None  # the prefill is before the mark
+    assert traffic.step_bytes(0, 5) == pytest.approx(200)
+    assert traffic.bytes == 200 + 400 + 20 + 200 + 40 + 200
+
+
 def test_dense_bytes_count_the_tied_head_once(demo_model_dir):
     from tandem.model.loader import load_model
 
@@ -58,6 +75,17 @@ def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
     assert report["decode_path"] == "native"  # the float32 Mixtral decodes through the native layers
     assert report["itl_p50_s"] <= report["itl_p95_s"]
     assert set(report["concurrency"]) == {"1", "2"}
+    # a concurrency's step reads its tokens' distinct experts: two streams' at least one stream's
+    # (the demo Mixtral: 4 layers of 4 experts, each token picks 2), at most every expert
+    dense = dense_weight_bytes(load_demo_model(demo_model_dir))
+    cfg = json.loads((demo_model_dir("mixtral") / "config.json").read_text())
+    expert = 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 4
+    layers, picks, experts = cfg["num_hidden_layers"], cfg["num_experts_per_tok"], cfg["num_local_experts"]
+    one, two = report["concurrency"]["1"], report["concurrency"]["2"]
+    assert one["weight_bytes_per_step"] == pytest.approx(dense + layers * picks * expert)
+    assert one["weight_bytes_per_step"] <= two["weight_bytes_per_step"] <= dense + layers * experts * expert
+    for row in (one, two):
+        assert row["roofline_share"] == pytest.approx(row["weight_bytes_per_step"] / row["itl_p50_s"] / 10e9)
     expected_roofline = 10.0e9 / report["weight_bytes_per_step"]
     assert abs(report["roofline_tok_s"] - expected_roofline) < 1e-6 * expected_roofline
     assert abs(report["roofline_share"] - report["decode_tok_s"] / report["roofline_tok_s"]) < 1e-9
@@ -72,6 +100,12 @@ def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
     weights = report["weight_bytes_per_step"]
     assert report["roofline_share_with_kv"] == pytest.approx(
         report["roofline_share"] * (weights + per_token * 11) / weights)
+
+
+def load_demo_model(demo_model_dir):
+    from tandem.model.loader import load_model
+
+    return load_model(demo_model_dir("mixtral"), device="cpu")[0]
 
 
 def test_split_cores_are_disjoint_and_favour_the_experts():
