@@ -41,7 +41,6 @@ class ExpertTraffic:
 
     def __init__(self, executor, bytes_per_expert: dict[int, int]):
         self.inner, self.bytes_per_expert = executor, bytes_per_expert
-        self._counted = 0
         self._pending: list[tuple[int, torch.Tensor]] = []
         self._calls: list[tuple[int, int, int]] = []  # (layer, tokens, bytes) of each call counted
 
@@ -56,14 +55,13 @@ class ExpertTraffic:
     def _count(self) -> None:
         for layer, ids in self._pending:
             touched = int(torch.unique(ids).numel()) * self.bytes_per_expert.get(layer, 0)
-            self._counted += touched
             self._calls.append((layer, ids.shape[0], touched))
         self._pending.clear()
 
     @property
     def bytes(self) -> int:
         self._count()
-        return self._counted
+        return sum(touched for _, _, touched in self._calls)
 
     @property
     def calls(self) -> int:
