@@ -77,7 +77,9 @@ def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
     assert set(report["concurrency"]) == {"1", "2"}
     # a concurrency's step reads its tokens' distinct experts: two streams' at least one stream's
     # (the demo Mixtral: 4 layers of 4 experts, each token picks 2), at most every expert
-    dense = dense_weight_bytes(load_demo_model(demo_model_dir))
+    from tandem.model.loader import load_model
+
+    dense = dense_weight_bytes(load_model(demo_model_dir("mixtral"), device="cpu")[0])
     cfg = json.loads((demo_model_dir("mixtral") / "config.json").read_text())
     expert = 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 4
     layers, picks, experts = cfg["num_hidden_layers"], cfg["num_experts_per_tok"], cfg["num_local_experts"]
@@ -100,12 +102,6 @@ def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
     weights = report["weight_bytes_per_step"]
     assert report["roofline_share_with_kv"] == pytest.approx(
         report["roofline_share"] * (weights + per_token * 11) / weights)
-
-
-def load_demo_model(demo_model_dir):
-    from tandem.model.loader import load_model
-
-    return load_model(demo_model_dir("mixtral"), device="cpu")[0]
 
 
 def test_split_cores_are_disjoint_and_favour_the_experts():
