@@ -149,13 +149,17 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       return std::pair{std::max(first, c * chunk_tokens), std::min(len, (c + 1) * chunk_tokens)};
     };
+    // Token pos of sequence b in a cache (block stride s0, row stride s1): its row.
+    const auto row_of = [&](const T* base, int64_t s0, int64_t s1, int64_t b, int64_t pos) {
+      return base + tp[b * ts0 + pos / bs] * s0 + pos % bs * s1;
+    };
     // Where item w's first row sits in a cache, for the prefetch; nullptr past this thread's items
     // or for an empty item.
     const auto first_row = [&](const T* base, int64_t s0, int64_t s1, int64_t w) -> const char* {
       if (w >= w1) return nullptr;
       const auto [lo, hi] = range(w);
       if (lo >= hi) return nullptr;
-      return reinterpret_cast<const char*>(base + tp[w / chunks * ts0 + lo / bs] * s0 + lo % bs * s1);
+      return reinterpret_cast<const char*>(row_of(base, s0, s1, w / chunks, lo));
     };
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / chunks, c = w % chunks;
@@ -172,9 +176,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       // `after` for the last block) and the block's first token's offset from lo.
       const auto each_block = [&](const T* base, int64_t s0, int64_t s1, const char* after, const auto& f) {
         for (int64_t pos = lo; pos < hi;) {
-          const int64_t block = tp[b * ts0 + pos / bs], slot = pos % bs, rows = std::min(bs - slot, hi - pos);
+          const int64_t rows = std::min(bs - pos % bs, hi - pos);
           const char* next = next_block(base, s0, tp + b * ts0, pos, hi, bs);
-          f(elements(base + block * s0 + slot * s1), rows, next ? next : after, pos - lo);
+          f(elements(row_of(base, s0, s1, b, pos)), rows, next ? next : after, pos - lo);
           pos += rows;
         }
       };
