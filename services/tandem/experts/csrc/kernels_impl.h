@@ -21,6 +21,15 @@ struct V {
   static inline T zero() { return _mm512_setzero_ps(); }
   static inline T set1(float v) { return _mm512_set1_ps(v); }
   static inline T load(const float* p) { return _mm512_loadu_ps(p); }
+  // 64 bytes of a bf16 or f32 weight row, in two 256-bit loads: on the Zen 4 development VM such
+  // streams came from RAM 6-8% faster than in one 512-bit load each (Zen 4's load paths are 256
+  // bits wide); int8 and int4 rows, whose arithmetic is heavier, did not move and keep theirs
+  // (benchmarks/RESULTS.md, round thirty-nine). Activations, read from L1, keep 512-bit loads.
+  static inline __m512i load_w(const void* p) {
+    const __m256i* q = static_cast<const __m256i*>(p);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(q)), _mm256_loadu_si256(q + 1), 1);
+  }
+  static inline T load_wf(const float* p) { return _mm512_castsi512_ps(load_w(p)); }
   static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static inline T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
@@ -117,6 +126,7 @@ struct V {
   static inline T zero() { return _mm256_setzero_ps(); }
   static inline T set1(float v) { return _mm256_set1_ps(v); }
   static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline T load_wf(const float* p) { return load(p); }  // a weight row's (see the AVX-512 V)
   static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
@@ -234,7 +244,7 @@ static inline void prefetch_weights(const void* p) {
 
 struct LoadF32 {
   using E = float;
-  static inline T load(const E* p) { return V::load(p); }
+  static inline T load(const E* p) { return V::load_wf(p); }
   static inline float scalar(E v) { return v; }
 };
 struct LoadBF16 {
@@ -318,7 +328,7 @@ static void dot_bf16_rows(const uint16_t* const* w, int64_t K, const Act* a, flo
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
       prefetch_weights(w[r] + k);
-      v[r] = (__m512bh)_mm512_loadu_si512(w[r] + k);
+      v[r] = (__m512bh)V::load_w(w[r] + k);
     }
     for (int t = 0; t < NT; ++t) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(a[t].xb + k);
