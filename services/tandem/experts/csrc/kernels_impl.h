@@ -22,9 +22,10 @@ struct V {
   static inline T set1(float v) { return _mm512_set1_ps(v); }
   static inline T load(const float* p) { return _mm512_loadu_ps(p); }
   // 64 bytes of a bf16 or f32 weight row, in two 256-bit loads: on the Zen 4 development VM such
-  // streams came from RAM 6-8% faster than in one 512-bit load each (Zen 4's load paths are 256
-  // bits wide); int8 and int4 rows, whose arithmetic is heavier, did not move and keep theirs
-  // (benchmarks/RESULTS.md, round thirty-nine). Activations, read from L1, keep 512-bit loads.
+  // streams came from RAM 6-8% faster than in one 512-bit load each (Zen 4 runs 512-bit operations
+  // as two 256-bit halves); int8 and int4 rows, whose arithmetic is heavier, did not move and keep
+  // theirs (benchmarks/RESULTS.md, round thirty-nine). Not measured on Intel's AVX-512 cores, where
+  // the split costs one shuffle per 64 bytes. Activations, read from L1, keep 512-bit loads.
   static inline __m512i load_w(const void* p) {
     const __m256i* q = static_cast<const __m256i*>(p);
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(q)), _mm256_loadu_si256(q + 1), 1);
