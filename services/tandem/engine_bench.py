@@ -33,6 +33,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from tandem.bench import expert_bytes_per_layer, roofline_share
+
 
 class ExpertTraffic:
     """Wraps an expert executor to count the bytes of expert weights each call touches.
@@ -119,8 +121,6 @@ def instrument(engine, bytes_per_expert: dict[int, int]) -> ExpertTraffic | None
 def expert_bytes(engine) -> dict[int, int]:
     """Bytes of one routed expert per layer: as the executor stores them (quantized sizes included),
     or, for a remote executor, from the config at the serving dtype."""
-    from tandem.bench import expert_bytes_per_layer
-
     cfg = engine.model_config
     executors = [layer.mlp.executor for layer in engine.model.model.layers if hasattr(layer.mlp, "executor")]
     if executors and (measured := expert_bytes_per_layer(executors[0])):
@@ -184,8 +184,6 @@ def paired_roofline(engine, prompt, gen_len: int, traffic: ExpertTraffic | None,
                     rounds: int) -> dict:
     """`rounds` single-stream decodes of prompt(), each between two calls of read_bandwidth() (GB/s):
     each round's roofline share against the mean of its two reads, and the medians."""
-    from tandem.bench import roofline_share
-
     out = []
     for _ in range(rounds):
         before = read_bandwidth()
@@ -235,8 +233,6 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
     result["weight_bytes_per_step"] = bytes_per_step
     result["kv_bytes_per_step"] = kv = kv_bytes_per_step(engine, prompt_len, gen_len)
     if bandwidth:  # {"sum": GB/s, "gemv": GB/s}; the roofline is `sum`'s (see tandem.bench)
-        from tandem.bench import roofline_share
-
         result.update(read_bandwidth_gbs=bandwidth["sum"], roofline_tok_s=bandwidth["sum"] * 1e9 / bytes_per_step,
                       roofline_share=roofline_share(bytes_per_step, result["decode_tok_s"], bandwidth["sum"]),
                       roofline_share_with_kv=roofline_share(bytes_per_step + kv, result["decode_tok_s"],
@@ -260,8 +256,6 @@ def bench(engine, prompt_len: int, gen_len: int, concurrency: list[int], bandwid
         if traffic is not None and (experts := traffic.step_bytes(since, c)) is not None:
             row["weight_bytes_per_step"] = dense + experts
             if bandwidth and itl > 0:
-                from tandem.bench import roofline_share
-
                 row["roofline_share"] = roofline_share(dense + experts, 1 / itl, bandwidth["sum"])
     return result
 
@@ -319,7 +313,7 @@ def cmd_bench(args) -> int:
     check_context(args)  # before the bandwidth, which takes a while
     bandwidth = None
     if not args.no_bandwidth:
-        from tandem.bench import measure_read_bandwidth
+        from tandem.bench import measure_read_bandwidth  # looked up per call: the tests stand in for it
 
         bandwidth = {m: measure_read_bandwidth(threads=args.threads, method=m) for m in ("sum", "gemv")}
     if args.mode == "split":
@@ -357,7 +351,7 @@ def bench_engine(args, concurrency: list[int], bandwidth: dict | None) -> dict:
 def bench_built(engine, args, concurrency: list[int], bandwidth: dict | None,
                 bytes_per_expert: dict[int, int]) -> dict:
     """`bench` an engine already built, counting its expert traffic at `bytes_per_expert`."""
-    from tandem.bench import measure_read_bandwidth
+    from tandem.bench import measure_read_bandwidth  # looked up per call: the tests stand in for it
 
     traffic = instrument(engine, bytes_per_expert)
     read = None if bandwidth is None else lambda: measure_read_bandwidth(threads=args.threads, statistic="median")
