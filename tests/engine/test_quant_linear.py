@@ -305,6 +305,35 @@ def test_dense_int8_logits_error_is_bounded(demo_model_dir):
     assert 0 < rel_err(got, want) < 0.04
 
 
+# Q, K and V in one call (decode_layer.cpp's project): a thread's four quarters walk runs of rows
+# (row_run4), each cut where a quarter reaches the end of its matrix. Odd sizes put matrix ends
+# inside runs and quarters; on every instruction set and chunk count, every row of every matrix
+# is its F.linear row (a run carried past a matrix's end would read its neighbour's rows, or past
+# the last one).
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_native_linear_multi_walks_runs_across_matrix_ends(chunked, tokens):
+    g = torch.Generator().manual_seed(11)
+    ws = [torch.randn(n, 64, generator=g) / 8 for n in (37, 5, 70, 1, 130)]
+    x = torch.randn(tokens, 64, generator=g)
+    before = chunked.isa()
+    try:
+        for isa in chunked.supported_isas():
+            chunked.set_isa(isa)
+            for chunks in (1, 3):
+                chunked.set_chunks_per_thread(chunks)
+                for kind, dtype in ((native.KIND_F32, torch.float32), (native.KIND_BF16, torch.bfloat16)):
+                    stored = [w.to(dtype) for w in ws]
+                    outs = [torch.full((tokens, w.shape[0]), float("nan")) for w in ws]
+                    chunked.linear_forward_multi(x, kind, stored, [], outs)
+                    bf16_acts = dtype == torch.bfloat16 and isa == "avx512bf16"  # vdpbf16ps rounds x
+                    xs = x.bfloat16().float() if bf16_acts else x
+                    for w, out in zip(stored, outs):
+                        torch.testing.assert_close(out, F.linear(xs, w.float()), rtol=1e-5, atol=1e-4,
+                                                   msg=f"{isa} {chunks} chunks {dtype} {w.shape[0]} rows")
+    finally:
+        chunked.set_isa(before)
+
+
 @pytest.mark.parametrize("n", [1, 5, 66, 127, 1030])
 def test_native_linear_rows_in_four_streams_match_f_linear(kernel_module, n):
     # Rows are walked as four quarters of each thread's range plus the rows left over: every

@@ -878,62 +878,10 @@ static inline void row_ptrs(const RowRef* refs, int64_t stride, const E* (&w)[4]
   for (int r = 0; r < 4; ++r) w[r] = static_cast<const E*>(refs[r].m->data) + refs[r].index() * stride;
 }
 
-// res[r * NT + t] for 4 rows of one storage kind and K (any Mats: Q, K and V rows mix).
-template <int NT>
-static void row_tile4(const RowRef* refs, const Act* a, float* res) {
-  const Mat& m = *refs[0].m;
-  const float* x[NT];
-  for (int t = 0; t < NT; ++t) x[t] = a[t].x;
-  switch (m.kind) {
-    case kF32: {
-      const float* w[4];
-      row_ptrs(refs, m.K, w);
-      dot_dense4<LoadF32, NT>(w, m.K, x, res);
-      break;
-    }
-    case kBF16: {
-      const uint16_t* w[4];
-      row_ptrs(refs, m.K, w);
-#if TANDEM_BF16DOT
-      if (a[0].xb) {
-        dot_bf16_rows<4, NT>(w, m.K, a, res);
-        break;
-      }
-#endif
-      dot_dense4<LoadBF16, NT>(w, m.K, x, res);
-      break;
-    }
-    case kInt8: {
-      const int8_t* w[4];
-      row_ptrs(refs, m.K, w);
-      if (a[0].q)
-        dot_int8_4<NT>(w, m.K, a, res);
-      else
-        dot_dense4<LoadI8, NT>(w, m.K, x, res);
-      break;  // unscaled: see Mat::scale
-    }
-    case kInt4: {
-      const int64_t groups = m.K / m.group;
-      const uint8_t* w[4];
-      const uint16_t* sc[4];
-      const uint16_t* mn[4];
-      row_ptrs(refs, m.K / 2, w);
-      for (int r = 0; r < 4; ++r) mn[r] = refs[r].m->min16 + refs[r].index() * groups;
-#if !TANDEM_WIDE
-      if (m.iscale) {  // the Mats of one call all store their scales one way (make_mat)
-        const int16_t* isc[4];
-        for (int r = 0; r < 4; ++r) isc[r] = refs[r].m->iscale + refs[r].index() * (groups + 2);
-        with_group_shift(m.group, [&](auto s) {
-          dot_int4_iscaled<decltype(s)::value, 4, NT>(w, isc, mn, m.K, a, res);
-        });
-        break;
-      }
-#endif
-      for (int r = 0; r < 4; ++r) sc[r] = refs[r].m->scale16 + refs[r].index() * groups;
-      with_group_shift(m.group, [&](auto s) { dot_int4_4<decltype(s)::value, NT>(w, sc, mn, m.K, a, res); });
-      break;
-    }
-  }
+// p[r] + i * stride for the 4 rows of a quad: row i of a run (rows are stored back to back).
+template <class E>
+static inline void advance(const E* const (&p)[4], int64_t i, int64_t stride, const E* (&out)[4]) {
+  for (int r = 0; r < 4; ++r) out[r] = p[r] + i * stride;
 }
 
 // res[r][t + j] = tile[r * nt + j] for 4 rows and nt tokens, in scalar stores: vectorized, GCC
@@ -945,19 +893,131 @@ __attribute__((noinline, optimize("no-tree-vectorize"))) static void put_tile(fl
     for (int j = 0; j < nt; ++j) res[r][t + j] = tile[r * nt + j];
 }
 
-// res[r][t] = row refs[r] times x[t], for 4 rows (same kind and K) and n tokens.
-static void row_dot4(const RowRef* refs, const Act* a, int64_t n, float* const* res) {
-  float tile[4 * kTile4];
-  int64_t t = 0;
-  auto put = [&](int nt) { put_tile(res, t, tile, nt); };
-  for (; t + kTile4 <= n; t += kTile4) {
-    row_tile4<kTile4>(refs, a + t, tile);
-    put(kTile4);
+template <int NT>
+using Tokens = std::integral_constant<int, NT>;
+
+// tile(Tokens<NT>{}, i, t, out) for row i of a run of `count` quads and each tile of tokens
+// [t, t + NT), the results out[r * NT + j] going to res[r][i * stride + t + j].
+template <class F>
+static inline void each_tile(int64_t count, int64_t n, float* const* res, int64_t stride, const F& tile) {
+  float out[4 * kTile4];
+  for (int64_t i = 0; i < count; ++i) {
+    float* const dst[4] = {res[0] + i * stride, res[1] + i * stride, res[2] + i * stride, res[3] + i * stride};
+    int64_t t = 0;
+    for (; t + kTile4 <= n; t += kTile4) {
+      tile(Tokens<kTile4>{}, i, t, out);
+      put_tile(dst, t, out, kTile4);
+    }
+    switch (n - t) {
+      case 1: tile(Tokens<1>{}, i, t, out); put_tile(dst, t, out, 1); break;
+      case 2: tile(Tokens<2>{}, i, t, out); put_tile(dst, t, out, 2); break;
+      case 3: tile(Tokens<3>{}, i, t, out); put_tile(dst, t, out, 3); break;
+      default: break;
+    }
   }
-  switch (n - t) {
-    case 1: row_tile4<1>(refs, a + t, tile); put(1); break;
-    case 2: row_tile4<2>(refs, a + t, tile); put(2); break;
-    case 3: row_tile4<3>(refs, a + t, tile); put(3); break;
-    default: break;
+}
+
+// res[r][i * stride + t] = row refs[r].row + i times x[t], for a run of `count` quads of rows (4
+// rows of one storage kind and K; any Mats: Q, K and V rows mix; row + i stays in its Mat) and n
+// tokens. One call walks the run's rows in order with the kind, group size and pointers settled
+// once: reached a quad at a time through a call, a kind switch and the pointers' arithmetic, the
+// kernels read ~10% slower from memory in fast spells than called directly in a loop
+// (benchmarks/RESULTS.md, rounds thirty-five and forty).
+static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n, float* const* res, int64_t stride) {
+  const Mat& m = *refs[0].m;
+  const int64_t K = m.K;
+  auto xs = [&](auto nt, int64_t t, const float* (&x)[decltype(nt)::value]) {
+    for (int j = 0; j < decltype(nt)::value; ++j) x[j] = a[t + j].x;
+  };
+  switch (m.kind) {
+    case kF32: {
+      const float* w[4];
+      row_ptrs(refs, K, w);
+      each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+        const float* wi[4];
+        const float* x[decltype(nt)::value];
+        advance(w, i, K, wi);
+        xs(nt, t, x);
+        dot_dense4<LoadF32, decltype(nt)::value>(wi, K, x, out);
+      });
+      break;
+    }
+    case kBF16: {
+      const uint16_t* w[4];
+      row_ptrs(refs, K, w);
+#if TANDEM_BF16DOT
+      if (a[0].xb) {
+        each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+          const uint16_t* wi[4];
+          advance(w, i, K, wi);
+          dot_bf16_rows<4, decltype(nt)::value>(wi, K, a + t, out);
+        });
+        break;
+      }
+#endif
+      each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+        const uint16_t* wi[4];
+        const float* x[decltype(nt)::value];
+        advance(w, i, K, wi);
+        xs(nt, t, x);
+        dot_dense4<LoadBF16, decltype(nt)::value>(wi, K, x, out);
+      });
+      break;
+    }
+    case kInt8: {
+      const int8_t* w[4];
+      row_ptrs(refs, K, w);
+      each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+        const int8_t* wi[4];
+        advance(w, i, K, wi);
+        if (a[0].q) {
+          dot_int8_4<decltype(nt)::value>(wi, K, a + t, out);
+        } else {
+          const float* x[decltype(nt)::value];
+          xs(nt, t, x);
+          dot_dense4<LoadI8, decltype(nt)::value>(wi, K, x, out);
+        }
+      });
+      break;  // unscaled: see Mat::scale
+    }
+    case kInt4: {
+      const int64_t groups = K / m.group;
+      const uint8_t* w[4];
+      const uint16_t* mn[4];
+      row_ptrs(refs, K / 2, w);
+      for (int r = 0; r < 4; ++r) mn[r] = refs[r].m->min16 + refs[r].index() * groups;
+#if !TANDEM_WIDE
+      if (m.iscale) {  // the Mats of one call all store their scales one way (make_mat)
+        const int16_t* isc[4];
+        for (int r = 0; r < 4; ++r) isc[r] = refs[r].m->iscale + refs[r].index() * (groups + 2);
+        with_group_shift(m.group, [&](auto s) {
+          each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+            const uint8_t* wi[4];
+            const int16_t* isci[4];
+            const uint16_t* mni[4];
+            advance(w, i, K / 2, wi);
+            advance(isc, i, groups + 2, isci);
+            advance(mn, i, groups, mni);
+            dot_int4_iscaled<decltype(s)::value, 4, decltype(nt)::value>(wi, isci, mni, K, a + t, out);
+          });
+        });
+        break;
+      }
+#endif
+      const uint16_t* sc[4];
+      for (int r = 0; r < 4; ++r) sc[r] = refs[r].m->scale16 + refs[r].index() * groups;
+      with_group_shift(m.group, [&](auto s) {
+        each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+          const uint8_t* wi[4];
+          const uint16_t* sci[4];
+          const uint16_t* mni[4];
+          advance(w, i, K / 2, wi);
+          advance(sc, i, groups, sci);
+          advance(mn, i, groups, mni);
+          dot_int4_4<decltype(s)::value, decltype(nt)::value>(wi, sci, mni, K, a + t, out);
+        });
+      });
+      break;
+    }
   }
 }

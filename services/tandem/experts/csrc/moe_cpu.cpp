@@ -253,8 +253,9 @@ static void row_dot2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const 
   row_dot(m, e, row1, a, n, res1);
 }
 
-static void row_dot4(const RowRef* refs, const Act* a, int64_t n, float* const* res) {
-  for (int r = 0; r < 4; ++r) row_dot(*refs[r].m, refs[r].e, refs[r].row, a, n, res[r]);
+static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n, float* const* res, int64_t stride) {
+  for (int64_t i = 0; i < count; ++i)
+    for (int r = 0; r < 4; ++r) row_dot(*refs[r].m, refs[r].e, refs[r].row + i, a, n, res[r] + i * stride);
 }
 
 static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
@@ -264,7 +265,7 @@ static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 
 using RowDot = void (*)(const Mat&, int64_t, int64_t, const Act*, int64_t, float*);
 using RowDot2 = void (*)(const Mat&, int64_t, int64_t, int64_t, const Act*, int64_t, float*, float*);
-using RowDot4 = void (*)(const RowRef*, const Act*, int64_t, float* const*);
+using RowRun4 = void (*)(const RowRef*, int64_t, const Act*, int64_t, float* const*, int64_t);
 using SiluMul = void (*)(const float*, const float*, float*, int64_t);
 using QuantizeAct = void (*)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*, float*, float*);
 
@@ -305,7 +306,7 @@ static void set_isa(const std::string& isa) {
 struct Kernels {
   RowDot row_dot;
   RowDot2 row_dot2;
-  RowDot4 row_dot4;
+  RowRun4 row_run4;
   SiluMul silu_mul;
   QuantizeAct quantize;
   ToBF16 to_bf16;
@@ -313,13 +314,13 @@ struct Kernels {
 
 static Kernels kernels() {
   if (g_isa == "avx512bf16")
-    return {avx512bf16::row_dot, avx512bf16::row_dot2, avx512bf16::row_dot4, avx512bf16::silu_mul,
+    return {avx512bf16::row_dot, avx512bf16::row_dot2, avx512bf16::row_run4, avx512bf16::silu_mul,
             avx512bf16::quantize_act, avx512bf16::to_bf16};
   if (g_isa == "avx512")
-    return {avx512::row_dot, avx512::row_dot2, avx512::row_dot4, avx512::silu_mul, avx512::quantize_act, nullptr};
+    return {avx512::row_dot, avx512::row_dot2, avx512::row_run4, avx512::silu_mul, avx512::quantize_act, nullptr};
   if (g_isa == "avx2")
-    return {avx2::row_dot, avx2::row_dot2, avx2::row_dot4, avx2::silu_mul, avx2::quantize_act, nullptr};
-  return {scalar::row_dot, scalar::row_dot2, scalar::row_dot4, scalar::silu_mul, nullptr, nullptr};
+    return {avx2::row_dot, avx2::row_dot2, avx2::row_run4, avx2::silu_mul, avx2::quantize_act, nullptr};
+  return {scalar::row_dot, scalar::row_dot2, scalar::row_run4, scalar::silu_mul, nullptr, nullptr};
 }
 
 // Activations of n rows x [n, K] for the kernels, quantized (Q8) when the rows are int8 or int4.
@@ -498,12 +499,12 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   if (n > 0) x_rows.fill(xp, slot_token, H, g, kind, quantize_x, to_bf16);
   const RowDot row_dot = kern.row_dot;
   const RowDot2 row_dot2 = kern.row_dot2;
-  const RowDot4 row_dot4 = kern.row_dot4;
+  const RowRun4 row_run4 = kern.row_run4;
   const int64_t na = static_cast<int64_t>(active.size());
 
   // gate_up: rows j and I + j of each active expert give activation j of its tokens. A thread
   // takes its rows one expert at a time and walks the two halves of them in lockstep: four
-  // weight streams (see row_dot4). The results of kRun row pairs are kept, then go through
+  // weight streams (see row_run4). The results of kRun row pairs are kept, then go through
   // SiLU together, a vector at a time. The threads' ranges are cut by work, not by rows
   // (gate_up_ranges): a prefill's experts differ in tokens, and so in products a row.
   const SiluMul silu_mul = kern.silu_mul;
@@ -532,16 +533,12 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
           silu_mul(g.data(), u.data(), act + (b + s) * I + j, m);
         }
       };
-      for (int64_t i = 0; i < len - half; ++i) {
-        const int64_t ja = j0 + i, jb = j0 + half + i, kept = i % kRun;
+      for (int64_t i = 0; i < len - half; i += kRun) {  // a run of up to kRun row pairs a half
+        const int64_t ja = j0 + i, jb = j0 + half + i, run = std::min(kRun, len - half - i);
         const RowRef refs[4] = {{&gum, e, ja}, {&gum, e, I + ja}, {&gum, e, jb}, {&gum, e, I + jb}};
-        float* const res[4] = {part[0] + kept * most, part[1] + kept * most, part[2] + kept * most,
-                               part[3] + kept * most};
-        row_dot4(refs, rows, c, res);
-        if (kept == kRun - 1 || i == len - half - 1) {
-          finish(0, ja - kept, kept + 1);
-          finish(2, jb - kept, kept + 1);
-        }
+        row_run4(refs, run, rows, c, part, most);
+        finish(0, ja, run);
+        finish(2, jb, run);
       }
       if (len % 2) {  // the first half's last row has no partner
         const int64_t j = j0 + half - 1;
@@ -573,11 +570,10 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
     for (int64_t e : active) {
       const int64_t b = begin[e], c = begin[e + 1] - b;
       const Act* rows = act_rows.rows.data() + b;
-      for (int64_t i = 0; i < q; ++i) {
-        const RowRef refs[4] = {{&dnm, e, h0 + i}, {&dnm, e, h0 + q + i}, {&dnm, e, h0 + 2 * q + i},
-                                {&dnm, e, h0 + 3 * q + i}};
+      if (q > 0) {
+        const RowRef refs[4] = {{&dnm, e, h0}, {&dnm, e, h0 + q}, {&dnm, e, h0 + 2 * q}, {&dnm, e, h0 + 3 * q}};
         float* const res[4] = {at(refs[0].row), at(refs[1].row), at(refs[2].row), at(refs[3].row)};
-        row_dot4(refs, rows, c, res);
+        row_run4(refs, q, rows, c, res, most);
       }
       int64_t h = h0 + 4 * q;  // the rows past the last whole quarter
       for (; h + 1 < h1; h += 2) row_dot2(dnm, e, h, h + 1, rows, c, at(h), at(h + 1));
@@ -631,7 +627,7 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
   for (int64_t t = 0; t < T; ++t) identity[t] = t;
   rows.fill(x.data_ptr<float>(), identity, K, 32, kind, quantize, kind == kBF16 ? kern.to_bf16 : nullptr);
   const RowDot row_dot = kern.row_dot;
-  const RowDot4 row_dot4 = kern.row_dot4;
+  const RowRun4 row_run4 = kern.row_run4;
   // row g over all segments -> its segment
   auto segment = [&](int64_t g) {
     return std::upper_bound(first_row.begin(), first_row.end(), g) - first_row.begin() - 1;
@@ -640,23 +636,28 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
     const int64_t N = mats[seg].rows;
     for (int64_t t = 0; t < T; ++t) o[seg][t * N + row] = v[t];
   };
-  // A thread walks the four quarters of its chunk's rows in lockstep (four weight streams; see row_dot4).
+  // A thread walks the four quarters of its chunk's rows in lockstep (four weight streams; see
+  // row_run4), in runs of up to kRun rows that no quarter takes past the end of its matrix.
+  constexpr int64_t kRun = 16;
   const int64_t chunks = num_chunks(first_row[S], T, row_bytes(mats[0]));
   parallel_chunks(chunks, [&](int64_t chunk) {
     const auto [g0, g1] = chunk_bounds(chunk, chunks, first_row[S], 16);
-    std::vector<float> buf(4 * T);
-    float* const res[4] = {buf.data(), buf.data() + T, buf.data() + 2 * T, buf.data() + 3 * T};
+    std::vector<float> buf(4 * kRun * T);  // [4][kRun][T]
+    float* const res[4] = {buf.data(), buf.data() + kRun * T, buf.data() + 2 * kRun * T, buf.data() + 3 * kRun * T};
     const int64_t q = (g1 - g0) / 4;
-    for (int64_t i = 0; i < q; ++i) {
-      int64_t seg[4];
+    for (int64_t i = 0; i < q;) {
+      int64_t seg[4], run = std::min(kRun, q - i);
       RowRef refs[4];
       for (int r = 0; r < 4; ++r) {
         const int64_t g = g0 + r * q + i;
         seg[r] = segment(g);
         refs[r] = RowRef{&mats[seg[r]], 0, g - first_row[seg[r]]};
+        run = std::min(run, first_row[seg[r] + 1] - g);
       }
-      row_dot4(refs, rows.rows.data(), T, res);
-      for (int r = 0; r < 4; ++r) store(seg[r], refs[r].row, res[r]);
+      row_run4(refs, run, rows.rows.data(), T, res, T);
+      for (int r = 0; r < 4; ++r)
+        for (int64_t j = 0; j < run; ++j) store(seg[r], refs[r].row + j, res[r] + j * T);
+      i += run;
     }
     for (int64_t g = g0 + 4 * q; g < g1; ++g) {  // the rows past the last whole quarter
       const int64_t sg = segment(g), row = g - first_row[sg];
@@ -692,6 +693,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("moe_forward", &tandem::moe_forward, "fused routed-expert forward into out [T, H]", release_gil());
   m.def("linear_forward", &tandem::linear_forward, "dense layer x [T, K] times w [N, K] into out [T, N]",
+        release_gil());
+  m.def("linear_forward_multi", &tandem::linear_forward_multi,
+        "dense layers that read one x [T, K] (Q, K and V) in one parallel region: outs[i] = x times ws[i]",
         release_gil());
   m.def("set_isa", &tandem::set_isa, "force an instruction set: scalar, avx2, avx512 or avx512bf16");
   m.def("isa", [] { return tandem::g_isa; }, "the instruction set in use");
