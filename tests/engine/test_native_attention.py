@@ -208,7 +208,9 @@ CACHE_DTYPES = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bf
 
 @pytest.mark.parametrize("cache", list(CACHE_DTYPES))
 @pytest.mark.parametrize("group", [1, 3, 4, 7, 9])  # tiles of 4, 2 and 1 heads; fp8 widened beyond 8
-@pytest.mark.parametrize("head_dim", [36, 128])  # 36: vectors, then a scalar tail at every vector width
+# 36: vectors, then a scalar tail at every vector width; 112: a value's vectors past the whole tiles in
+# one tile each of half, a quarter and an eighth of a tile's (7 of 16 lanes: 4 + 2 + 1; 14 of 8: 8 + 4 + 2)
+@pytest.mark.parametrize("head_dim", [36, 112, 128])
 @pytest.mark.parametrize("block_size, threads", [(16, 1), (5, 2)])
 def test_every_cache_dtype_matches_the_torch_path_at_the_tiles_edges(kernel, cache, group, head_dim, block_size,
                                                                     threads):

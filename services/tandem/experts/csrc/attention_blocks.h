@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_vectors.h"
 
@@ -80,7 +81,12 @@ TANDEM_INLINE int64_t score_tiles(int64_t g, int64_t n) {
 template <class V>
 TANDEM_INLINE int64_t value_tiles(int64_t g, int64_t Dv) {
   const int64_t vectors = Dv / kLanes<V>;
-  const auto tiles = [vectors](int64_t nv) { return vectors / nv + vectors % nv; };
+  const auto tiles = [vectors](int64_t nv) {  // see head_values: tiles of nv, then one of each half
+    int64_t count = vectors / nv;
+    for (int64_t rest = vectors % nv, half = nv / 2; half > 0; half /= 2)
+      if (rest >= half) ++count, rest -= half;
+    return count;
+  };
   return g / 4 * tiles(kTileVectors<V, 4>) + g % 4 / 2 * tiles(kTileVectors<V, 2>) + g % 2 * tiles(kTileVectors<V, 1>);
 }
 
@@ -300,17 +306,29 @@ TANDEM_INLINE void values_tile(float* acc, int64_t Dv, const float* p, int64_t p
 }
 
 // The values of the HT heads (acc_h = acc + h * Dv, p_h = p + h * p_stride) over the n rows v_t = v +
-// t * v_stride: tiles of NV vectors, then single vectors, then scalars for a value size not a
-// multiple of the lanes.
+// t * v_stride: tiles of NV vectors, then at most one tile each of NV / 2, NV / 4, ... 1 vectors,
+// then scalars for a value size not a multiple of the lanes. The halves keep a value narrower than
+// a tile (64 numbers: 4 vectors of AVX-512's 16, against tiles of 8 at 2 heads) in registers
+// across a block's rows, where single vectors would pass over the rows once per vector.
 template <class V, int HT, class E>
 TANDEM_INLINE void head_values(float* acc, int64_t Dv, const float* p, int64_t p_stride, const E* v, int64_t v_stride,
                                int64_t n, Prefetch& prefetch) {
   constexpr int NV = kTileVectors<V, HT>;
+  static_assert((NV & (NV - 1)) == 0, "tiles of a power of two vectors, halved for the rest");
   const int64_t Dvec = Dv - Dv % kLanes<V>;
   int64_t i = 0;
   for (; i + NV * kLanes<V> <= Dvec; i += NV * kLanes<V>)
     values_tile<V, HT, NV>(acc + i, Dv, p, p_stride, v + i, v_stride, n, prefetch);
-  for (; i < Dvec; i += kLanes<V>) values_tile<V, HT, 1>(acc + i, Dv, p, p_stride, v + i, v_stride, n, prefetch);
+  const auto half = [&](auto nv) {
+    constexpr int W = decltype(nv)::value;
+    if (i + W * kLanes<V> <= Dvec) {
+      values_tile<V, HT, W>(acc + i, Dv, p, p_stride, v + i, v_stride, n, prefetch);
+      i += W * kLanes<V>;
+    }
+  };
+  if constexpr (NV >= 8) half(std::integral_constant<int, 4>{});
+  if constexpr (NV >= 4) half(std::integral_constant<int, 2>{});
+  if constexpr (NV >= 2) half(std::integral_constant<int, 1>{});
   for (int64_t t = 0; t < n; ++t)
     for (i = Dvec; i < Dv; ++i) {
       const float x = element(v + t * v_stride + i);
