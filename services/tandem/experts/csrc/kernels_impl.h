@@ -920,9 +920,10 @@ static inline void each_tile(int64_t count, int64_t n, float* const* res, int64_
 // res[r][i * stride + t] = row refs[r].row + i times x[t], for a run of `count` quads of rows (4
 // rows of one storage kind and K; any Mats: Q, K and V rows mix; row + i stays in its Mat) and n
 // tokens. One call walks the run's rows in order with the kind, group size and pointers settled
-// once: reached a quad at a time through a call, a kind switch and the pointers' arithmetic, the
-// kernels read ~10% slower from memory in fast spells than called directly in a loop
-// (benchmarks/RESULTS.md, rounds thirty-five and forty).
+// once. Reached a quad at a time through a call, a kind switch and the pointers' arithmetic, the
+// kernels read ~10% slower from memory in fast spells than called directly in a loop (round
+// thirty-five); single-stream decode in slow spells did not move either way (round forty:
+// benchmarks/RESULTS.md).
 static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n, float* const* res, int64_t stride) {
   const Mat& m = *refs[0].m;
   const int64_t K = m.K;
