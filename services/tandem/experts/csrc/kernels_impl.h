@@ -924,23 +924,29 @@ static inline void each_tile(int64_t count, int64_t n, float* const* res, int64_
 // kernels read ~10% slower from memory in fast spells than called directly in a loop (round
 // thirty-five); single-stream decode in slow spells did not move either way (round forty:
 // benchmarks/RESULTS.md).
+// row_run4's rows read by dot_dense4 with loader L on float activations: f32 and bf16 rows, and
+// int8 ones where the activations are not quantized.
+template <class L, class E>
+static void dense_run4(const E* const (&w)[4], int64_t K, int64_t count, const Act* a, int64_t n, float* const* res,
+                       int64_t stride) {
+  each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+    constexpr int NT = decltype(nt)::value;
+    const E* wi[4];
+    const float* x[NT];
+    advance(w, i, K, wi);
+    for (int j = 0; j < NT; ++j) x[j] = a[t + j].x;
+    dot_dense4<L, NT>(wi, K, x, out);
+  });
+}
+
 static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n, float* const* res, int64_t stride) {
   const Mat& m = *refs[0].m;
   const int64_t K = m.K;
-  auto xs = [&](auto nt, int64_t t, const float* (&x)[decltype(nt)::value]) {
-    for (int j = 0; j < decltype(nt)::value; ++j) x[j] = a[t + j].x;
-  };
   switch (m.kind) {
     case kF32: {
       const float* w[4];
       row_ptrs(refs, K, w);
-      each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
-        const float* wi[4];
-        const float* x[decltype(nt)::value];
-        advance(w, i, K, wi);
-        xs(nt, t, x);
-        dot_dense4<LoadF32, decltype(nt)::value>(wi, K, x, out);
-      });
+      dense_run4<LoadF32>(w, K, count, a, n, res, stride);
       break;
     }
     case kBF16: {
@@ -956,28 +962,20 @@ static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n,
         break;
       }
 #endif
-      each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
-        const uint16_t* wi[4];
-        const float* x[decltype(nt)::value];
-        advance(w, i, K, wi);
-        xs(nt, t, x);
-        dot_dense4<LoadBF16, decltype(nt)::value>(wi, K, x, out);
-      });
+      dense_run4<LoadBF16>(w, K, count, a, n, res, stride);
       break;
     }
     case kInt8: {
       const int8_t* w[4];
       row_ptrs(refs, K, w);
+      if (!a[0].q) {  // the call's activations are quantized all or none (ActRows::fill)
+        dense_run4<LoadI8>(w, K, count, a, n, res, stride);
+        break;
+      }
       each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
         const int8_t* wi[4];
         advance(w, i, K, wi);
-        if (a[0].q) {
-          dot_int8_4<decltype(nt)::value>(wi, K, a + t, out);
-        } else {
-          const float* x[decltype(nt)::value];
-          xs(nt, t, x);
-          dot_dense4<LoadI8, decltype(nt)::value>(wi, K, x, out);
-        }
+        dot_int8_4<decltype(nt)::value>(wi, K, a + t, out);
       });
       break;  // unscaled: see Mat::scale
     }
