@@ -886,7 +886,7 @@ static inline void advance(const E* const (&p)[4], int64_t i, int64_t stride, co
 
 // res[r][t + j] = tile[r * nt + j] for 4 rows and nt tokens, in scalar stores: vectorized, GCC
 // makes the four rows' stores two vscatterqps, which cost a decode quad more than its stores
-// (perf annotate: ~8% of an int4 row_dot4's samples around them).
+// (perf annotate: ~8% of an int4 quad's samples around them, round thirty-five).
 __attribute__((noinline, optimize("no-tree-vectorize"))) static void put_tile(float* const* res, int64_t t,
                                                                                 const float* tile, int nt) {
   for (int r = 0; r < 4; ++r)
@@ -917,13 +917,6 @@ static inline void each_tile(int64_t count, int64_t n, float* const* res, int64_
   }
 }
 
-// res[r][i * stride + t] = row refs[r].row + i times x[t], for a run of `count` quads of rows (4
-// rows of one storage kind and K; any Mats: Q, K and V rows mix; row + i stays in its Mat) and n
-// tokens. One call walks the run's rows in order with the kind, group size and pointers settled
-// once. Reached a quad at a time through a call, a kind switch and the pointers' arithmetic, the
-// kernels read ~10% slower from memory in fast spells than called directly in a loop (round
-// thirty-five); single-stream decode in slow spells did not move either way (round forty:
-// benchmarks/RESULTS.md).
 // row_run4's rows read by dot_dense4 with loader L on float activations: f32 and bf16 rows, and
 // int8 ones where the activations are not quantized.
 template <class L, class E>
@@ -939,6 +932,13 @@ static void dense_run4(const E* const (&w)[4], int64_t K, int64_t count, const A
   });
 }
 
+// res[r][i * stride + t] = row refs[r].row + i times x[t], for a run of `count` quads of rows (4
+// rows of one storage kind and K; any Mats: Q, K and V rows mix; row + i stays in its Mat) and n
+// tokens. One call walks the run's rows in order with the kind, group size and pointers settled
+// once. Reached a quad at a time through a call, a kind switch and the pointers' arithmetic, the
+// kernels read ~10% slower from memory in fast spells than called directly in a loop (round
+// thirty-five); single-stream decode in slow spells did not move either way (round forty:
+// benchmarks/RESULTS.md).
 static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n, float* const* res, int64_t stride) {
   const Mat& m = *refs[0].m;
   const int64_t K = m.K;

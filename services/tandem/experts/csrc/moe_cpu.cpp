@@ -266,6 +266,17 @@ static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 using RowDot = void (*)(const Mat&, int64_t, int64_t, const Act*, int64_t, float*);
 using RowDot2 = void (*)(const Mat&, int64_t, int64_t, int64_t, const Act*, int64_t, float*, float*);
 using RowRun4 = void (*)(const RowRef*, int64_t, const Act*, int64_t, float* const*, int64_t);
+
+// The rows a row_run4 call takes from each of its four streams at most, and a buffer for their
+// results: res[r] + j * width holds row j of stream r (width floats: a row's tokens).
+constexpr int64_t kRun = 16;
+struct RunResults {
+  std::vector<float> buf;
+  float* res[4];
+  explicit RunResults(int64_t width) : buf(4 * kRun * width) {
+    for (int r = 0; r < 4; ++r) res[r] = buf.data() + r * kRun * width;
+  }
+};
 using SiluMul = void (*)(const float*, const float*, float*, int64_t);
 using QuantizeAct = void (*)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*, float*, float*);
 
@@ -508,15 +519,14 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   // SiLU together, a vector at a time. The threads' ranges are cut by work, not by rows
   // (gate_up_ranges): a prefill's experts differ in tokens, and so in products a row.
   const SiluMul silu_mul = kern.silu_mul;
-  constexpr int64_t kRun = 16;
   std::vector<int64_t> tokens_of(na);
   for (int64_t ai = 0; ai < na; ++ai) tokens_of[ai] = begin[active[ai] + 1] - begin[active[ai]];
   // Rows [r0, r1) of the active experts' gate_up, in (expert, row) order.
   auto gate_up_range = [&](int64_t r0, int64_t r1) {
-    // [4][kRun][most]: gate and up of the first half's rows, then of the second half's
-    std::vector<float> buf(4 * kRun * most), g(kRun), u(kRun);
-    float* const part[4] = {buf.data(), buf.data() + kRun * most, buf.data() + 2 * kRun * most,
-                            buf.data() + 3 * kRun * most};
+    // gate and up of the first half's rows, then of the second half's
+    RunResults results(most);
+    float* const* part = results.res;
+    std::vector<float> g(kRun), u(kRun);
     for (int64_t s0 = r0; s0 < r1;) {
       const int64_t ai = s0 / I, s1 = std::min(r1, (ai + 1) * I);
       const int64_t e = active[ai], b = begin[e], c = begin[e + 1] - b;
@@ -638,12 +648,11 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
   };
   // A thread walks the four quarters of its chunk's rows in lockstep (four weight streams; see
   // row_run4), in runs of up to kRun rows that no quarter takes past the end of its matrix.
-  constexpr int64_t kRun = 16;
   const int64_t chunks = num_chunks(first_row[S], T, row_bytes(mats[0]));
   parallel_chunks(chunks, [&](int64_t chunk) {
     const auto [g0, g1] = chunk_bounds(chunk, chunks, first_row[S], 16);
-    std::vector<float> buf(4 * kRun * T);  // [4][kRun][T]
-    float* const res[4] = {buf.data(), buf.data() + kRun * T, buf.data() + 2 * kRun * T, buf.data() + 3 * kRun * T};
+    RunResults results(T);
+    float* const* res = results.res;
     const int64_t q = (g1 - g0) / 4;
     for (int64_t i = 0; i < q;) {
       int64_t seg[4], run = std::min(kRun, q - i);
