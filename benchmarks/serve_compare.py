@@ -150,6 +150,11 @@ def tandem_side(steps: int, all_steps: list[int]) -> str:
     return "tandem" if len(all_steps) == 1 else f"tandem_n{steps}"
 
 
+def ratio_key(side: str) -> str:
+    """Where a row keeps a Tandem side's median ratios to llama-server."""
+    return "ratio_median" if side == "tandem" else f"ratio_median_{side}"
+
+
 def measure_precision(precision: str, streams: list[int], args, vocab: int, skip: set, binary, llama_skip) -> dict:
     """One precision's row. With --rounds R > 1 every server stays up (Tandem's, one per
     --num-scheduler-steps value, and one llama-server per slot count) and the rounds alternate
@@ -159,8 +164,8 @@ def measure_precision(precision: str, streams: list[int], args, vocab: int, skip
 
     row = {"precision": precision}
     procs = []
+    servers = []  # (side, label, stream function per stream count)
     try:
-        servers = []  # (side, label, stream function per stream count)
         if "tandem" not in skip:
             for steps in args.num_scheduler_steps:
                 print(f"[{precision}] tandem serve (experts {TANDEM_QUANTS[precision][0]}, dense "
@@ -189,18 +194,18 @@ def measure_precision(precision: str, streams: list[int], args, vocab: int, skip
     finally:
         for proc in procs:
             stop(proc)
-    sides = [tandem_side(steps, args.num_scheduler_steps) for steps in args.num_scheduler_steps
-             if "tandem" not in skip] + ["llama_server"] * ("llama_server" in rounds[0])
+    sides = list(dict.fromkeys(side for side, _, _ in servers))
     for side in sides:
         row.setdefault(side, {}).update({n: median_by_rate([one[side][n] for one in rounds]) for n in streams})
     if args.rounds > 1:
         row["rounds"] = rounds
         if "llama_server" in row:
-            for side in sides[:-1]:
-                key = "ratio_median" if side == "tandem" else f"ratio_median_{side}"
-                row[key] = {n: statistics.median(one[side][n]["aggregate_tok_s"] /
-                                                 one["llama_server"][n]["aggregate_tok_s"] for one in rounds)
-                            for n in streams}
+            for side in sides:
+                if side != "llama_server":
+                    row[ratio_key(side)] = {n: statistics.median(one[side][n]["aggregate_tok_s"] /
+                                                                 one["llama_server"][n]["aggregate_tok_s"]
+                                                                 for one in rounds)
+                                            for n in streams}
     return row
 
 
@@ -337,7 +342,7 @@ def format_row(row: dict, streams: list[int]) -> str:
         for side in sides:
             a = row.get(side, {}).get(n, {}).get("aggregate_tok_s")
             ratio = f" = {a / b:.2f}x" if a and b else ""
-            medians = row.get("ratio_median" if side == "tandem" else f"ratio_median_{side}", {})
+            medians = row.get(ratio_key(side), {})
             if n in medians:
                 ratio = f" (median rounds); median ratio {medians[n]:.2f}x"
             parts.append(f"{n} streams: {side} {a or float('nan'):.1f}, llama-server {b or float('nan'):.1f}{ratio}")
