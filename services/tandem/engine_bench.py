@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from tandem.bench import expert_bytes_per_layer, roofline_share
+from tandem.engine.heap import freeze_heap, frozen_heap, thaw_heap
 
 
 class ExpertTraffic:
@@ -342,7 +343,8 @@ def bench_engine(args, concurrency: list[int], bandwidth: dict | None) -> dict:
 
     engine = build_engine(args)
     try:
-        return bench_built(engine, args, concurrency, bandwidth, expert_bytes(engine))
+        with frozen_heap():  # no full collection of the loaded heap inside a timed decode
+            return bench_built(engine, args, concurrency, bandwidth, expert_bytes(engine))
     finally:
         del engine
         gc.collect()  # free its weights now, not whenever the collector runs
@@ -408,12 +410,14 @@ def bench_split(args, concurrency: list[int], bandwidth: dict | None) -> dict:
     embedded_engine = split_engine = experts_proc = None
     try:
         embedded_engine = build_engine(args)
+        freeze_heap()  # as bench_engine does; again once the split engine has loaded
         embedded_threads = torch.get_num_threads()  # as its executor set them
         bytes_per_expert = expert_bytes(embedded_engine)
         embedded = bench_built(embedded_engine, args, concurrency, bandwidth, bytes_per_expert)
         experts_proc, args.expert_executor = start_split_experts(args, expert_cores, spin_us)
         run_on(attention_cores, len(attention_cores))
         split_engine = build_engine(args)
+        freeze_heap()
         attention_threads = torch.get_num_threads()  # as it runs (the engine could have changed it)
         result = bench_built(split_engine, args, concurrency, bandwidth, bytes_per_expert)
         rounds = decode_rounds({"embedded": (embedded_engine, all_cores, embedded_threads),
@@ -427,6 +431,7 @@ def bench_split(args, concurrency: list[int], bandwidth: dict | None) -> dict:
         if experts_proc is not None:
             experts_proc.terminate()
             experts_proc.wait(timeout=30)
+        thaw_heap()
         del embedded_engine, split_engine
         gc.collect()  # free both engines' weights now
     ratios = [r["ratio"] for r in rounds]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 from collections import namedtuple
@@ -52,6 +53,7 @@ def test_dense_bytes_count_the_tied_head_once(demo_model_dir):
 
 def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
     import tandem.bench
+    import tandem.engine_bench
 
     paired = iter([20.0, 40.0, 18.0, 42.0])  # the reads around each paired round: a mean of 30 each
 
@@ -59,9 +61,18 @@ def test_bench_reports_speeds_and_roofline(demo_model_dir, capsys, monkeypatch):
         return {"sum": 10.0, "gemv": 12.5}[method] if statistic == "best" else next(paired)
 
     monkeypatch.setattr(tandem.bench, "measure_read_bandwidth", read)
+    frozen, real_run = [], tandem.engine_bench.run_requests
+
+    def recording_run(engine, prompts, gen_len):
+        frozen.append(gc.get_freeze_count())
+        return real_run(engine, prompts, gen_len)
+
+    monkeypatch.setattr(tandem.engine_bench, "run_requests", recording_run)
     assert main(["bench", "--model", str(demo_model_dir("mixtral")), "--prompt-len", "8", "--gen-len", "6",
                  "--concurrency", "1,2", "--device", "cpu", "--paired-rounds", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    # every timed run with the loaded heap out of the collector's walks, and the heap thawed after
+    assert len(frozen) >= 6 and min(frozen) > 0 and gc.get_freeze_count() == 0
     assert next(paired, None) is None  # two reads a round
     # each paired round's share is read against the mean of the two reads beside it
     assert report["read_bandwidth_paired_gbs"] == 30.0

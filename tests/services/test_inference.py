@@ -7,6 +7,7 @@ the test's event loop; test_split.py runs it as `tandem serve` processes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
 import sys
 import urllib.request
@@ -365,6 +366,17 @@ async def test_an_unset_max_tokens_ends_at_the_context_with_length(start_server,
         prompt_token_ids=[5] * 250, sampling=inference_pb2.SamplingParams(temperature=0.0, ignore_eos=True))
     stream = await generate(server.address, request)
     assert len(token_ids(stream)) == 6 and stream[-1].finish_reason == "length"
+
+
+async def test_the_loaded_heap_is_frozen_while_serving_and_thawed_when_it_stops(start_server, model_dir):
+    # a full collection would walk the whole loaded heap (~0.2 s on a real model) inside a decode
+    assert gc.get_freeze_count() == 0
+    server = await start_server(model=str(model_dir("mixtral")))
+    frozen = gc.get_freeze_count()
+    assert frozen > len(gc.get_objects())  # what a collection walks now: what came after the load
+    assert len(token_ids(await generate(server.address, greedy([5, 6], max_tokens=4)))) == 4
+    assert await server.close() == 0
+    assert gc.get_freeze_count() == 0  # the embedding process's heap is the collector's again
 
 
 async def test_a_checkpoint_that_fails_to_load_exits_1_with_one_line(start_server, model_dir, tmp_path, caplog):
