@@ -3,9 +3,9 @@
 A full (generation 2) collection walks every object the collector tracks, holding the GIL. A
 process with a loaded engine tracks ~350,000 (torch, transformers, the model's modules and
 tensors): one full collection took ~165 ms on the development VM. The collector runs one as soon
-as enough objects have outlived two younger collections since the last, and loading a model leaves
-that many, so the first one after loading fell in the first request's decode: one gap of 150-220
-ms between two tokens, which `tandem bench`'s first single-stream decode showed in every run
+as enough objects have outlived the younger collections since the last, and loading a model leaves
+that many, so the first one after loading comes due soon: in `tandem bench` it fell inside the
+first timed single-stream decode in every run, one gap of 150-220 ms between two tokens
 (benchmarks/RESULTS.md, round forty-one). `gc.freeze()` moves every object tracked now into a
 permanent generation that collections skip; vLLM freezes its engine process's startup heap so.
 
