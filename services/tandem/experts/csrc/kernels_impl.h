@@ -884,34 +884,36 @@ static inline void advance(const E* const (&p)[4], int64_t i, int64_t stride, co
   for (int r = 0; r < 4; ++r) out[r] = p[r] + i * stride;
 }
 
-// res[r][t + j] = tile[r * nt + j] for 4 rows and nt tokens, in scalar stores: vectorized, GCC
-// makes the four rows' stores two vscatterqps, which cost a decode quad more than its stores
-// (perf annotate: ~8% of an int4 quad's samples around them, round thirty-five).
+// res[r][(t + j) * tstride] = tile[r * nt + j] for 4 rows and nt tokens, in scalar stores:
+// vectorized, GCC makes the four rows' stores two vscatterqps, which cost a decode quad more than
+// its stores (perf annotate: ~8% of an int4 quad's samples around them, round thirty-five).
 __attribute__((noinline, optimize("no-tree-vectorize"))) static void put_tile(float* const* res, int64_t t,
-                                                                                const float* tile, int nt) {
+                                                                                const float* tile, int nt,
+                                                                                int64_t tstride) {
   for (int r = 0; r < 4; ++r)
-    for (int j = 0; j < nt; ++j) res[r][t + j] = tile[r * nt + j];
+    for (int j = 0; j < nt; ++j) res[r][(t + j) * tstride] = tile[r * nt + j];
 }
 
 template <int NT>
 using Tokens = std::integral_constant<int, NT>;
 
 // tile(Tokens<NT>{}, i, t, out) for row i of a run of `count` quads and each tile of tokens
-// [t, t + NT), the results out[r * NT + j] going to res[r][i * stride + t + j].
+// [t, t + NT), the results out[r * NT + j] going to res[r][i * stride + (t + j) * tstride].
 template <class F>
-static inline void each_tile(int64_t count, int64_t n, float* const* res, int64_t stride, const F& tile) {
+static inline void each_tile(int64_t count, int64_t n, float* const* res, int64_t stride, int64_t tstride,
+                             const F& tile) {
   float out[4 * kTile4];
   for (int64_t i = 0; i < count; ++i) {
     float* const dst[4] = {res[0] + i * stride, res[1] + i * stride, res[2] + i * stride, res[3] + i * stride};
     int64_t t = 0;
     for (; t + kTile4 <= n; t += kTile4) {
       tile(Tokens<kTile4>{}, i, t, out);
-      put_tile(dst, t, out, kTile4);
+      put_tile(dst, t, out, kTile4, tstride);
     }
     switch (n - t) {
-      case 1: tile(Tokens<1>{}, i, t, out); put_tile(dst, t, out, 1); break;
-      case 2: tile(Tokens<2>{}, i, t, out); put_tile(dst, t, out, 2); break;
-      case 3: tile(Tokens<3>{}, i, t, out); put_tile(dst, t, out, 3); break;
+      case 1: tile(Tokens<1>{}, i, t, out); put_tile(dst, t, out, 1, tstride); break;
+      case 2: tile(Tokens<2>{}, i, t, out); put_tile(dst, t, out, 2, tstride); break;
+      case 3: tile(Tokens<3>{}, i, t, out); put_tile(dst, t, out, 3, tstride); break;
       default: break;
     }
   }
@@ -921,8 +923,8 @@ static inline void each_tile(int64_t count, int64_t n, float* const* res, int64_
 // int8 ones where the activations are not quantized.
 template <class L, class E>
 static void dense_run4(const E* const (&w)[4], int64_t K, int64_t count, const Act* a, int64_t n, float* const* res,
-                       int64_t stride) {
-  each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+                       int64_t stride, int64_t tstride) {
+  each_tile(count, n, res, stride, tstride, [&](auto nt, int64_t i, int64_t t, float* out) {
     constexpr int NT = decltype(nt)::value;
     const E* wi[4];
     const float* x[NT];
@@ -932,21 +934,22 @@ static void dense_run4(const E* const (&w)[4], int64_t K, int64_t count, const A
   });
 }
 
-// res[r][i * stride + t] = row refs[r].row + i times x[t], for a run of `count` quads of rows (4
+// res[r][i * stride + t * tstride] = row refs[r].row + i times x[t], for a run of `count` quads of rows (4
 // rows of one storage kind and K; any Mats: Q, K and V rows mix; row + i stays in its Mat) and n
 // tokens. One call walks the run's rows in order with the kind, group size and pointers settled
 // once. Reached a quad at a time through a call, a kind switch and the pointers' arithmetic, the
 // kernels read ~10% slower from memory in fast spells than called directly in a loop (round
 // thirty-five); single-stream decode in slow spells did not move either way (round forty:
 // benchmarks/RESULTS.md).
-static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n, float* const* res, int64_t stride) {
+static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n, float* const* res, int64_t stride,
+                     int64_t tstride) {
   const Mat& m = *refs[0].m;
   const int64_t K = m.K;
   switch (m.kind) {
     case kF32: {
       const float* w[4];
       row_ptrs(refs, K, w);
-      dense_run4<LoadF32>(w, K, count, a, n, res, stride);
+      dense_run4<LoadF32>(w, K, count, a, n, res, stride, tstride);
       break;
     }
     case kBF16: {
@@ -954,7 +957,7 @@ static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n,
       row_ptrs(refs, K, w);
 #if TANDEM_BF16DOT
       if (a[0].xb) {
-        each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+        each_tile(count, n, res, stride, tstride, [&](auto nt, int64_t i, int64_t t, float* out) {
           const uint16_t* wi[4];
           advance(w, i, K, wi);
           dot_bf16_rows<4, decltype(nt)::value>(wi, K, a + t, out);
@@ -962,17 +965,17 @@ static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n,
         break;
       }
 #endif
-      dense_run4<LoadBF16>(w, K, count, a, n, res, stride);
+      dense_run4<LoadBF16>(w, K, count, a, n, res, stride, tstride);
       break;
     }
     case kInt8: {
       const int8_t* w[4];
       row_ptrs(refs, K, w);
       if (!a[0].q) {  // the call's activations are quantized all or none (ActRows::fill)
-        dense_run4<LoadI8>(w, K, count, a, n, res, stride);
+        dense_run4<LoadI8>(w, K, count, a, n, res, stride, tstride);
         break;
       }
-      each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+      each_tile(count, n, res, stride, tstride, [&](auto nt, int64_t i, int64_t t, float* out) {
         const int8_t* wi[4];
         advance(w, i, K, wi);
         dot_int8_4<decltype(nt)::value>(wi, K, a + t, out);
@@ -990,7 +993,7 @@ static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n,
         const int16_t* isc[4];
         for (int r = 0; r < 4; ++r) isc[r] = refs[r].m->iscale + refs[r].index() * (groups + 2);
         with_group_shift(m.group, [&](auto s) {
-          each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+          each_tile(count, n, res, stride, tstride, [&](auto nt, int64_t i, int64_t t, float* out) {
             const uint8_t* wi[4];
             const int16_t* isci[4];
             const uint16_t* mni[4];
@@ -1006,7 +1009,7 @@ static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n,
       const uint16_t* sc[4];
       for (int r = 0; r < 4; ++r) sc[r] = refs[r].m->scale16 + refs[r].index() * groups;
       with_group_shift(m.group, [&](auto s) {
-        each_tile(count, n, res, stride, [&](auto nt, int64_t i, int64_t t, float* out) {
+        each_tile(count, n, res, stride, tstride, [&](auto nt, int64_t i, int64_t t, float* out) {
           const uint8_t* wi[4];
           const uint16_t* sci[4];
           const uint16_t* mni[4];

@@ -253,9 +253,14 @@ static void row_dot2(const Mat& m, int64_t e, int64_t row0, int64_t row1, const 
   row_dot(m, e, row1, a, n, res1);
 }
 
-static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n, float* const* res, int64_t stride) {
+static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n, float* const* res, int64_t stride,
+                     int64_t tstride) {
+  std::vector<float> row(n);
   for (int64_t i = 0; i < count; ++i)
-    for (int r = 0; r < 4; ++r) row_dot(*refs[r].m, refs[r].e, refs[r].row + i, a, n, res[r] + i * stride);
+    for (int r = 0; r < 4; ++r) {
+      row_dot(*refs[r].m, refs[r].e, refs[r].row + i, a, n, row.data());
+      for (int64_t t = 0; t < n; ++t) res[r][i * stride + t * tstride] = row[t];
+    }
 }
 
 static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
@@ -265,10 +270,10 @@ static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 
 using RowDot = void (*)(const Mat&, int64_t, int64_t, const Act*, int64_t, float*);
 using RowDot2 = void (*)(const Mat&, int64_t, int64_t, int64_t, const Act*, int64_t, float*, float*);
-using RowRun4 = void (*)(const RowRef*, int64_t, const Act*, int64_t, float* const*, int64_t);
+using RowRun4 = void (*)(const RowRef*, int64_t, const Act*, int64_t, float* const*, int64_t, int64_t);
 
 // The rows a row_run4 call takes from each of its four streams at most, and a buffer for their
-// results: res[r] + j * width holds row j of stream r (width floats: a row's tokens).
+// results: kRun rows of `width` tokens a stream, res[r] the start of stream r's.
 constexpr int64_t kRun = 16;
 struct RunResults {
   std::vector<float> buf;
@@ -523,10 +528,11 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   for (int64_t ai = 0; ai < na; ++ai) tokens_of[ai] = begin[active[ai] + 1] - begin[active[ai]];
   // Rows [r0, r1) of the active experts' gate_up, in (expert, row) order.
   auto gate_up_range = [&](int64_t r0, int64_t r1) {
-    // gate and up of the first half's rows, then of the second half's
+    // gate and up of the first half's rows, then of the second half's; token-major (row i, token s
+    // of stream p at part[p][s * kRun + i]), so that a token's kRun activations are one vector
     RunResults results(most);
     float* const* part = results.res;
-    std::vector<float> g(kRun), u(kRun);
+    std::vector<float> g(kRun), u(kRun), odd_gate(most), odd_up(most);
     for (int64_t s0 = r0; s0 < r1;) {
       const int64_t ai = s0 / I, s1 = std::min(r1, (ai + 1) * I);
       const int64_t e = active[ai], b = begin[e], c = begin[e + 1] - b;
@@ -536,23 +542,33 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
       auto finish = [&](int p, int64_t j, int64_t m) {
         const float* gs = gu_row_scale ? gu_row_scale + e * 2 * I + j : nullptr;  // int8: gate's, then up's
         for (int64_t s = 0; s < c; ++s) {
-          for (int64_t i = 0; i < m; ++i) {
-            g[i] = part[p][i * most + s] * (gs ? gs[i] : 1.f);
-            u[i] = part[p + 1][i * most + s] * (gs ? gs[I + i] : 1.f);
+          const float* gp = part[p] + s * kRun;
+          const float* up = part[p + 1] + s * kRun;
+          if (gs) {
+            for (int64_t i = 0; i < m; ++i) {
+              g[i] = gp[i] * gs[i];
+              u[i] = up[i] * gs[I + i];
+            }
+            gp = g.data();
+            up = u.data();
           }
-          silu_mul(g.data(), u.data(), act + (b + s) * I + j, m);
+          silu_mul(gp, up, act + (b + s) * I + j, m);
         }
       };
       for (int64_t i = 0; i < len - half; i += kRun) {  // a run of up to kRun row pairs a half
         const int64_t ja = j0 + i, jb = j0 + half + i, run = std::min(kRun, len - half - i);
         const RowRef refs[4] = {{&gum, e, ja}, {&gum, e, I + ja}, {&gum, e, jb}, {&gum, e, I + jb}};
-        row_run4(refs, run, rows, c, part, most);
+        row_run4(refs, run, rows, c, part, 1, kRun);
         finish(0, ja, run);
         finish(2, jb, run);
       }
       if (len % 2) {  // the first half's last row has no partner
         const int64_t j = j0 + half - 1;
-        row_dot2(gum, e, j, I + j, rows, c, part[0], part[1]);
+        row_dot2(gum, e, j, I + j, rows, c, odd_gate.data(), odd_up.data());
+        for (int64_t s = 0; s < c; ++s) {
+          part[0][s * kRun] = odd_gate[s];
+          part[1][s * kRun] = odd_up[s];
+        }
         finish(0, j, 1);
       }
       s0 = s1;
@@ -574,26 +590,42 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
   const int64_t down_chunks = num_chunks(H, most, na * row_bytes(dnm));  // a row of each active expert
   parallel_chunks(down_chunks, [&](int64_t chunk) {
     const auto [h0, h1] = chunk_bounds(chunk, down_chunks, H, 16);
-    std::vector<float> buf((h1 - h0) * most);  // one expert's results: row h's at (h - h0) * most
-    auto at = [&](int64_t h) { return buf.data() + (h - h0) * most; };
-    const int64_t q = (h1 - h0) / 4;
+    // one expert's results, token-major (token s, row h at s * width + h - h0): a token's adds into
+    // out are then one run of columns, a vector at a time
+    const int64_t width = h1 - h0;
+    std::vector<float> buf(width * most), tail0(most), tail1(most);
+    auto put = [&](int64_t h, const float* v, int64_t c) {
+      for (int64_t s = 0; s < c; ++s) buf[s * width + h - h0] = v[s];
+    };
+    const int64_t q = width / 4;
     for (int64_t e : active) {
       const int64_t b = begin[e], c = begin[e + 1] - b;
       const Act* rows = act_rows.rows.data() + b;
       if (q > 0) {
         const RowRef refs[4] = {{&dnm, e, h0}, {&dnm, e, h0 + q}, {&dnm, e, h0 + 2 * q}, {&dnm, e, h0 + 3 * q}};
-        float* const res[4] = {at(refs[0].row), at(refs[1].row), at(refs[2].row), at(refs[3].row)};
-        row_run4(refs, q, rows, c, res, most);
+        float* const res[4] = {buf.data(), buf.data() + q, buf.data() + 2 * q, buf.data() + 3 * q};
+        row_run4(refs, q, rows, c, res, 1, width);
       }
       int64_t h = h0 + 4 * q;  // the rows past the last whole quarter
-      for (; h + 1 < h1; h += 2) row_dot2(dnm, e, h, h + 1, rows, c, at(h), at(h + 1));
-      if (h < h1) row_dot(dnm, e, h, rows, c, at(h));
-      // into out, row by row: out[token, h] += weight * (int8: scale[h] *) result
-      const float* sc = dn_row_scale ? dn_row_scale + e * H : nullptr;
-      for (h = h0; h < h1; ++h) {
-        const float* d = at(h);
-        const float f = sc ? sc[h] : 1.f;
-        for (int64_t s = 0; s < c; ++s) o[slot_token[b + s] * H + h] += slot_weight[b + s] * (d[s] * f);
+      for (; h + 1 < h1; h += 2) {
+        row_dot2(dnm, e, h, h + 1, rows, c, tail0.data(), tail1.data());
+        put(h, tail0.data(), c);
+        put(h + 1, tail1.data(), c);
+      }
+      if (h < h1) {
+        row_dot(dnm, e, h, rows, c, tail0.data());
+        put(h, tail0.data(), c);
+      }
+      // into out, token by token: out[token, h] += weight * (int8: scale[h] *) result
+      const float* sc = dn_row_scale ? dn_row_scale + e * H + h0 : nullptr;
+      for (int64_t s = 0; s < c; ++s) {
+        float* const dst = o + slot_token[b + s] * H + h0;
+        const float* d = buf.data() + s * width;
+        const float w = slot_weight[b + s];
+        if (sc)
+          for (int64_t i = 0; i < width; ++i) dst[i] += w * (d[i] * sc[i]);
+        else
+          for (int64_t i = 0; i < width; ++i) dst[i] += w * d[i];
       }
     }
   });
@@ -663,7 +695,7 @@ void linear_forward_multi(const at::Tensor& x, int64_t kind, const std::vector<a
         refs[r] = RowRef{&mats[seg[r]], 0, g - first_row[seg[r]]};
         run = std::min(run, first_row[seg[r] + 1] - g);
       }
-      row_run4(refs, run, rows.rows.data(), T, res, T);
+      row_run4(refs, run, rows.rows.data(), T, res, T, 1);
       for (int r = 0; r < 4; ++r)
         for (int64_t j = 0; j < run; ++j) store(seg[r], refs[r].row + j, res[r] + j * T);
       i += run;
