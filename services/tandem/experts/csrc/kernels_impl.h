@@ -934,13 +934,14 @@ static void dense_run4(const E* const (&w)[4], int64_t K, int64_t count, const A
   });
 }
 
-// res[r][i * stride + t * tstride] = row refs[r].row + i times x[t], for a run of `count` quads of rows (4
-// rows of one storage kind and K; any Mats: Q, K and V rows mix; row + i stays in its Mat) and n
-// tokens. One call walks the run's rows in order with the kind, group size and pointers settled
-// once. Reached a quad at a time through a call, a kind switch and the pointers' arithmetic, the
-// kernels read ~10% slower from memory in fast spells than called directly in a loop (round
-// thirty-five); single-stream decode in slow spells did not move either way (round forty:
-// benchmarks/RESULTS.md).
+// res[r][i * stride + t * tstride] = row refs[r].row + i times x[t], for a run of `count` quads of
+// rows (4 rows of one storage kind and K; any Mats: Q, K and V rows mix; row + i stays in its Mat)
+// and n tokens. Dense layers keep a row's tokens together (tstride 1); moe_forward keeps a token's
+// rows together (stride 1), as its SiLU and its adds into out read them (round forty-two). One call
+// walks the run's rows in order with the kind, group size and pointers settled once. Reached a
+// quad at a time through a call, a kind switch and the pointers' arithmetic, the kernels read ~10%
+// slower from memory in fast spells than called directly in a loop (round thirty-five);
+// single-stream decode in slow spells did not move either way (round forty: benchmarks/RESULTS.md).
 static void row_run4(const RowRef* refs, int64_t count, const Act* a, int64_t n, float* const* res, int64_t stride,
                      int64_t tstride) {
   const Mat& m = *refs[0].m;
