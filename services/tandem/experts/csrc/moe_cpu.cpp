@@ -532,7 +532,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
     // of stream p at part[p][s * kRun + i]), so that a token's kRun activations are one vector
     RunResults results(most);
     float* const* part = results.res;
-    std::vector<float> g(kRun), u(kRun), odd_gate(most), odd_up(most);
+    std::vector<float> g(kRun), u(kRun);
     for (int64_t s0 = r0; s0 < r1;) {
       const int64_t ai = s0 / I, s1 = std::min(r1, (ai + 1) * I);
       const int64_t e = active[ai], b = begin[e], c = begin[e + 1] - b;
@@ -564,6 +564,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
       }
       if (len % 2) {  // the first half's last row has no partner
         const int64_t j = j0 + half - 1;
+        std::vector<float> odd_gate(c), odd_up(c);  // a range's last row at most: not on every run's path
         row_dot2(gum, e, j, I + j, rows, c, odd_gate.data(), odd_up.data());
         for (int64_t s = 0; s < c; ++s) {
           part[0][s * kRun] = odd_gate[s];
@@ -593,10 +594,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
     // one expert's results, token-major (token s, row h at s * width + h - h0): a token's adds into
     // out are then one run of columns, a vector at a time
     const int64_t width = h1 - h0;
-    std::vector<float> buf(width * most), tail0(most), tail1(most);
-    auto put = [&](int64_t h, const float* v, int64_t c) {
-      for (int64_t s = 0; s < c; ++s) buf[s * width + h - h0] = v[s];
-    };
+    std::vector<float> buf(width * most);
     const int64_t q = width / 4;
     for (int64_t e : active) {
       const int64_t b = begin[e], c = begin[e + 1] - b;
@@ -606,15 +604,22 @@ void moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w
         float* const res[4] = {buf.data(), buf.data() + q, buf.data() + 2 * q, buf.data() + 3 * q};
         row_run4(refs, q, rows, c, res, 1, width);
       }
-      int64_t h = h0 + 4 * q;  // the rows past the last whole quarter
-      for (; h + 1 < h1; h += 2) {
-        row_dot2(dnm, e, h, h + 1, rows, c, tail0.data(), tail1.data());
-        put(h, tail0.data(), c);
-        put(h + 1, tail1.data(), c);
-      }
-      if (h < h1) {
-        row_dot(dnm, e, h, rows, c, tail0.data());
-        put(h, tail0.data(), c);
+      if (h0 + 4 * q < h1) {  // rows past the last whole quarter: chunks are cut at multiples of 16, so
+        // only the last chunk has any, where H is not a multiple of 4
+        std::vector<float> tail0(c), tail1(c);
+        auto put = [&](int64_t h, const std::vector<float>& v) {
+          for (int64_t s = 0; s < c; ++s) buf[s * width + h - h0] = v[s];
+        };
+        int64_t h = h0 + 4 * q;
+        for (; h + 1 < h1; h += 2) {
+          row_dot2(dnm, e, h, h + 1, rows, c, tail0.data(), tail1.data());
+          put(h, tail0);
+          put(h + 1, tail1);
+        }
+        if (h < h1) {
+          row_dot(dnm, e, h, rows, c, tail0.data());
+          put(h, tail0);
+        }
       }
       // into out, token by token: out[token, h] += weight * (int8: scale[h] *) result
       const float* sc = dn_row_scale ? dn_row_scale + e * H + h0 : nullptr;
