@@ -2,7 +2,8 @@
 
     python benchmarks/compare.py [--checkpoint DIR] [--prompt-len 32] [--gen-len 64] [--threads 2]
                                  [--precisions f32,bf16,int8,int4] [--concurrency 1,4,8] [--rounds 1]
-                                 [--num-scheduler-steps 1] [--paired-rounds 0] [--json out.json]
+                                 [--num-scheduler-steps 1] [--paired-rounds 0] [--interleaved 0]
+                                 [--json out.json]
 
 Each system runs in its own process (so one's memory never slows another) on the same
 Mixtral-architecture checkpoint (made by make_checkpoint.py when absent: ~1.8 GB f32), at equal
@@ -18,7 +19,10 @@ llama.cpp rows are skipped with the reason. Tandem runs through `tandem bench`, 
 `--num-scheduler-steps N` passed on (multi-step decode: N greedy tokens in one native call, as
 `tandem serve --num-scheduler-steps` runs them; default 1, a Python step a token), and with
 `--paired-rounds N` Tandem's own roofline share paired in its process (`tandem bench
---paired-rounds`: N decodes, each between two bandwidth reads) beside the one below.
+--paired-rounds`: N decodes, each between two bandwidth reads) beside the one below. With
+`--interleaved TURNS`, Tandem and llama.cpp also run in one process, taking turns on the same
+prompts (worker_interleaved): on a VM whose memory changes speed from one minute to the next, the
+ratio that holds still.
 
 Decode tok/s here is single-stream greedy decode; the roofline is read bandwidth (torch sum over
 1 GiB, measured again just before each precision's runs) over the bytes of weights one token reads
@@ -74,10 +78,10 @@ def worker_hf(ckpt: str, dtype: str, prompt_len: int, gen_len: int, threads: int
     return {"prefill_tok_s": prompt_len / first, "decode_tok_s": (gen_len - 1) / (full - first)}
 
 
-def worker_llama(gguf: str, prompt_len: int, gen_len: int, threads: int) -> dict:
+def llama_decoder(gguf: str, prompt_len: int, gen_len: int, threads: int):
+    """llama.cpp's model from `gguf`, and run(prompt, n) -> (prefill seconds, seconds of n - 1 decode steps)."""
     import llama_cpp
     import llama_cpp.llama as llama_module
-    import numpy as np
 
     # llama.cpp's extra CPU buffer types (AMX and weight repacking) crash on this VM for Q8_0 and
     # Q4_0 (a segfault in the first decode), so they are turned off; llama-cpp-python has no
@@ -92,10 +96,8 @@ def worker_llama(gguf: str, prompt_len: int, gen_len: int, threads: int) -> dict
     llama_module.llama_cpp.llama_model_default_params = without_extra_buffers
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=prompt_len + gen_len + 16, n_threads=threads,
                           n_threads_batch=threads, n_batch=512, verbose=False)
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(3, llm.n_vocab(), prompt_len).tolist()
 
-    def run(n: int) -> tuple[float, float]:
+    def run(prompt: list[int], n: int) -> tuple[float, float]:
         # generate() evaluates the prompt and yields a token, then evaluates each token it yielded
         # before sampling the next: n - 1 more tokens are n - 1 decode steps. EOS is not checked.
         llm.reset()
@@ -107,9 +109,58 @@ def worker_llama(gguf: str, prompt_len: int, gen_len: int, threads: int) -> dict
             next(tokens)
         return first - start, time.perf_counter() - first
 
-    run(2)  # warm-up
-    prefill, decode = run(gen_len)
+    return llm, run
+
+
+def worker_llama(gguf: str, prompt_len: int, gen_len: int, threads: int) -> dict:
+    import numpy as np
+
+    llm, run = llama_decoder(gguf, prompt_len, gen_len, threads)
+    prompt = np.random.default_rng(0).integers(3, llm.n_vocab(), prompt_len).tolist()
+    run(prompt, 2)  # warm-up
+    prefill, decode = run(prompt, gen_len)
     return {"prefill_tok_s": prompt_len / prefill, "decode_tok_s": (gen_len - 1) / decode}
+
+
+def worker_interleaved(gguf: str, argv_json: str, prompt_len: int, gen_len: int, threads: int,
+                       turns: int) -> dict:
+    """Tandem and llama.cpp in one process, taking turns: each turn both decode `gen_len` tokens from
+    the same fresh prompt, one after the other (the order swapped every turn), so that both meet the
+    same memory. A VM's read bandwidth moves by 2x between spells that last seconds to minutes, which
+    swamps a comparison of one system's run against the other's a minute later; within a turn (two
+    runs of ~1 s) it rarely moves. Each system's threads are idle while the other's run."""
+    import numpy as np
+
+    from tandem.bench import measure_read_bandwidth
+    from tandem.cli import build_engine, build_parser
+    from tandem.engine_bench import run_requests
+    from tandem.engine.heap import frozen_heap
+
+    engine = build_engine(build_parser().parse_args(json.loads(argv_json)))
+    llm, llama_run = llama_decoder(gguf, prompt_len, gen_len, threads)
+    rng = np.random.default_rng(0)
+
+    def tandem(prompt: list[int]) -> float:
+        run = run_requests(engine, [prompt], gen_len)
+        return len(run["itl"]) / sum(run["itl"])
+
+    def llama(prompt: list[int]) -> float:
+        return (gen_len - 1) / llama_run(prompt, gen_len)[1]
+
+    out = []
+    with frozen_heap():  # no full collection of the loaded heaps inside a timed decode
+        for prompt in (rng.integers(3, llm.n_vocab(), prompt_len).tolist() for _ in range(2)):  # warm-up
+            tandem(prompt), llama(prompt)
+        for turn in range(turns):
+            prompt = rng.integers(3, llm.n_vocab(), prompt_len).tolist()
+            bandwidth = measure_read_bandwidth(threads=threads, statistic="median")
+            order = (("tandem", tandem), ("llama_cpp", llama))[:: 1 if turn % 2 == 0 else -1]
+            out.append({"read_bandwidth_gb_s": bandwidth, **{name: fn(prompt) for name, fn in order}})
+    ratios = [t["tandem"] / t["llama_cpp"] for t in out]
+    return {"turns": out, "median_ratio": statistics.median(ratios),
+            "turns_at_least_1": sum(r >= 1.0 for r in ratios),
+            "tandem_decode_tok_s": statistics.median(t["tandem"] for t in out),
+            "llama_cpp_decode_tok_s": statistics.median(t["llama_cpp"] for t in out)}
 
 
 def run_worker(name: str, *args) -> dict:
@@ -123,20 +174,26 @@ def run_worker(name: str, *args) -> dict:
 # systems
 
 
-def tandem_bench(ckpt: Path, precision: str, args, experts_gguf: Path | None = None) -> dict:
-    """`tandem bench` at `precision`; a "gguf" precision takes its experts from `experts_gguf`."""
+def bench_argv(ckpt: Path, precision: str, args, experts_gguf: Path | None = None) -> list[str]:
+    """`tandem bench`'s command line at `precision`; a "gguf" precision takes its experts from `experts_gguf`."""
     quants = QUANTS[precision]
-    cmd = [sys.executable, "-m", "tandem.cli", "bench", "--model", str(ckpt), "--prompt-len", str(args.prompt_len),
-           "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--dense-quant", quants[1],
-           "--threads", str(args.threads), "--device", "cpu", "--json",
-           "--num-scheduler-steps", str(args.num_scheduler_steps)]
-    cmd += ["--paired-rounds", str(args.paired_rounds)] if args.paired_rounds else ["--no-bandwidth"]
+    argv = ["bench", "--model", str(ckpt), "--prompt-len", str(args.prompt_len),
+            "--gen-len", str(args.gen_len), "--concurrency", args.concurrency, "--dense-quant", quants[1],
+            "--threads", str(args.threads), "--device", "cpu", "--json",
+            "--num-scheduler-steps", str(args.num_scheduler_steps)]
+    argv += ["--paired-rounds", str(args.paired_rounds)] if args.paired_rounds else ["--no-bandwidth"]
     if quants[0] == "gguf":
-        cmd += ["--experts-gguf", str(experts_gguf)]
+        argv += ["--experts-gguf", str(experts_gguf)]
     else:
-        cmd += ["--expert-quant", quants[0]]
+        argv += ["--expert-quant", quants[0]]
     if precision in DTYPES:
-        cmd += ["--dtype", DTYPES[precision]]
+        argv += ["--dtype", DTYPES[precision]]
+    return argv
+
+
+def tandem_bench(ckpt: Path, precision: str, args, experts_gguf: Path | None = None) -> dict:
+    """`tandem bench` at `precision`, in its own process."""
+    cmd = [sys.executable, "-m", "tandem.cli", *bench_argv(ckpt, precision, args, experts_gguf)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["tandem bench failed"])[-1]}
@@ -239,11 +296,16 @@ def main() -> None:
     ap.add_argument("--paired-rounds", type=int, default=0, metavar="N",
                     help="tandem bench's: N decodes each between two bandwidth reads in its process, for its "
                          "paired roofline share (default 0: none)")
+    ap.add_argument("--interleaved", type=int, default=0, metavar="TURNS",
+                    help="after a precision's rounds, Tandem and llama.cpp in one process taking TURNS turns, "
+                         "each turn both decoding the same prompt one after the other (see worker_interleaved); "
+                         "the median of the turns' ratios (default 0: not run)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args.worker:
-        fn = {"hf": worker_hf, "llama": worker_llama, "quantize": worker_quantize}[args.worker]
+        fn = {"hf": worker_hf, "llama": worker_llama, "quantize": worker_quantize,
+              "interleaved": worker_interleaved}[args.worker]
         strings = 1 if args.worker == "llama" else 2  # the leading string arguments, then integers
         print(json.dumps(fn(*rest[:strings], *map(int, rest[strings:]))))
         return
@@ -284,6 +346,11 @@ def main() -> None:
         row = combine_rounds(rounds)
         report["rows"].append(row)
         print(format_row(row), flush=True)
+        if args.interleaved > 0 and gguf is not None and "tandem" not in skip:
+            row["interleaved"] = run_worker("interleaved", gguf, json.dumps(bench_argv(args.checkpoint, precision,
+                                                                                        args, gguf)),
+                                            args.prompt_len, args.gen_len, args.threads, args.interleaved)
+            print(format_interleaved(precision, row["interleaved"]), flush=True)
     report["load_average_after"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
@@ -371,6 +438,17 @@ def format_row(row: dict) -> str:
         agg = t.get("concurrency", {})
         parts.append("aggregate " + ", ".join(f"{c}: {v['aggregate_tok_s']:.1f}" for c, v in agg.items()))
     return " | ".join(parts)
+
+
+def format_interleaved(precision: str, result: dict) -> str:
+    if "error" in result:
+        return f"[{precision}] interleaved: {result['error']}"
+    turns = result["turns"]
+    return (f"[{precision}] interleaved, {len(turns)} turns in one process: median ratio "
+            f"{result['median_ratio']:.2f}x llama.cpp ({result['turns_at_least_1']} of {len(turns)} turns >= 1.0x), "
+            f"tandem {result['tandem_decode_tok_s']:.1f} / llama.cpp {result['llama_cpp_decode_tok_s']:.1f} tok/s "
+            f"(medians) | turns " + "; ".join(f"{t['read_bandwidth_gb_s']:.0f} GB/s {t['tandem']:.1f}/"
+                                              f"{t['llama_cpp']:.1f}" for t in turns))
 
 
 if __name__ == "__main__":
