@@ -149,8 +149,10 @@ def worker_interleaved(gguf: str, argv_json: str, prompt_len: int, gen_len: int,
 
     out = []
     with frozen_heap():  # no full collection of the loaded heaps inside a timed decode
-        for prompt in (rng.integers(3, llm.n_vocab(), prompt_len).tolist() for _ in range(2)):  # warm-up
-            tandem(prompt), llama(prompt)
+        for _ in range(2):  # warm-up
+            prompt = rng.integers(3, llm.n_vocab(), prompt_len).tolist()
+            tandem(prompt)
+            llama(prompt)
         for turn in range(turns):
             prompt = rng.integers(3, llm.n_vocab(), prompt_len).tolist()
             bandwidth = measure_read_bandwidth(threads=threads, statistic="median")
